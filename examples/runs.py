@@ -1,0 +1,145 @@
+"""The registry of configurations the demo can compare (``--runs``, ``--plugins``).
+
+A run is a name and a function that edits the DeepSpeed config dict in place. The base config
+(ZeRO stage, dtype, optimizer, batch sizes: see ``train_gpt.ds_config``) is built from the
+command-line options; each run then edits its own copy. A plugin package joins the comparison
+with one line here::
+
+    add_run("accumdtype", {"accumdtype": {"dtype": "fp32"}})
+
+A dict is merged into the config (nested dicts merged key by key); each of its top-level keys
+is a zerohooks plugin section, and the run is reported as skipped, with the reason, when
+zerohooks or that plugin (``zerohooks.available_plugins()``) is not installed. For anything
+else, pass a function, and name the plugins and other modules it needs::
+
+    add_run("loco-ef", lambda cfg: cfg.update(loco={"err_beta": 0.9}), plugins=("loco",))
+
+``--runs a+b`` combines registered runs (edits applied left to right); ``--plugins p,q``
+applies the edits of runs ``p`` and ``q`` on top of every selected run.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+ConfigEdit = Callable[[dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    edit: ConfigEdit
+    plugins: tuple[str, ...] = ()  # zerohooks plugin sections this run turns on
+    requires: tuple[str, ...] = ()  # other modules it needs
+    help: str = ""
+
+    def skip_reason(self) -> str | None:
+        """Why this run cannot run here (a plugin or module not installed), else None."""
+        missing = [m for m in self.requires if importlib.util.find_spec(m) is None]
+        if self.plugins:
+            missing += _missing_plugins(self.plugins)
+        return f"not installed: {', '.join(dict.fromkeys(missing))}" if missing else None
+
+    def config(self, base: Mapping[str, Any]) -> dict[str, Any]:
+        cfg = copy.deepcopy(dict(base))
+        self.edit(cfg)
+        return cfg
+
+
+def _missing_plugins(names: tuple[str, ...]) -> list[str]:
+    try:
+        import zerohooks
+    except ImportError:
+        return ["zerohooks"]
+    try:
+        found = set(zerohooks.available_plugins())
+        known = dict(getattr(zerohooks, "KNOWN_PLUGINS", {}))
+    except Exception:  # an older zerohooks: fall back on the import name
+        found = {n for n in names if importlib.util.find_spec(n) is not None}
+        known = {}
+    return [f"{n} plugin (pip install {known[n]})" if n in known else f"{n} plugin" for n in names
+            if n not in found]
+
+
+RUNS: dict[str, Run] = {}
+
+
+def merge(dst: dict[str, Any], src: Mapping[str, Any]) -> None:
+    """Merge ``src`` into ``dst``: nested dicts key by key, anything else replaced."""
+    for key, value in src.items():
+        if isinstance(value, Mapping) and isinstance(dst.get(key), dict):
+            merge(dst[key], value)
+        else:
+            dst[key] = copy.deepcopy(value)
+
+
+def add_run(
+    name: str,
+    edit: ConfigEdit | Mapping[str, Any],
+    *,
+    plugins: tuple[str, ...] = (),
+    requires: tuple[str, ...] = (),
+    help: str = "",
+) -> Run:
+    """Register a run; ``edit`` is a config-editing function or a dict of plugin sections."""
+    if "+" in name or "," in name or not name:
+        raise ValueError(f"invalid run name {name!r}: no '+' or ',' allowed")
+    if isinstance(edit, Mapping):
+        sections = copy.deepcopy(dict(edit))
+        help = help or "plugin sections " + ", ".join(f"{k}={v}" for k, v in sections.items())
+
+        def edit_fn(cfg: dict[str, Any]) -> None:
+            merge(cfg, sections)
+
+        run = Run(name, edit_fn, tuple(sections), tuple(requires or ()), help)
+    else:
+        run = Run(name, edit, tuple(plugins), tuple(requires or ()), help)
+    RUNS[name] = run
+    return run
+
+
+def resolve(spec: str, plugins: tuple[str, ...] = ()) -> Run:
+    """A run from ``name`` or ``a+b+...``, with the ``plugins`` runs' edits applied on top."""
+    parts = [p for p in spec.split("+") if p]
+    parts += [p for p in plugins if p not in parts]
+    unknown = [p for p in parts if p not in RUNS]
+    if not parts or unknown:
+        raise KeyError(
+            f"unknown run {', '.join(unknown) or spec!r}; registered runs: {', '.join(RUNS)}"
+        )
+    runs = [RUNS[p] for p in parts if not (p == "baseline" and len(parts) > 1)]
+
+    def edit(cfg: dict[str, Any]) -> None:
+        for r in runs:
+            r.edit(cfg)
+
+    return Run(
+        "+".join(parts),
+        edit,
+        tuple(dict.fromkeys(p for r in runs for p in r.plugins)),
+        tuple(dict.fromkeys(m for r in runs for m in r.requires)),
+        "; ".join(r.help for r in runs if r.help),
+    )
+
+
+def _stage(stage: int) -> ConfigEdit:
+    def edit(cfg: dict[str, Any]) -> None:
+        zero = cfg.setdefault("zero_optimization", {})
+        zero["stage"] = stage
+        if stage == 0:
+            zero.pop("offload_optimizer", None)
+
+    return edit
+
+
+# --- built-in runs -------------------------------------------------------------------------
+add_run("baseline", lambda cfg: None, help="the command-line configuration, no plugin")
+for _s in range(4):
+    add_run(f"zero{_s}", _stage(_s), help=f"ZeRO stage {_s} whatever --stage says")
+
+# --- plugin runs: one line per package -----------------------------------------------------
+add_run("accumdtype", {"accumdtype": {"dtype": "fp32"}})

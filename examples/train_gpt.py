@@ -1,0 +1,588 @@
+"""Train a small GPT on the Python standard library's source bytes with DeepSpeed ZeRO.
+
+    python examples/train_gpt.py                      # 2 CPU ranks (gloo), or 1 rank per GPU (NCCL)
+    python examples/train_gpt.py --stage 3 --runs baseline,accumdtype
+    python examples/train_gpt.py --list-runs
+
+The command launches its own ranks: run outside a distributed launch (no ``RANK`` in the
+environment), it starts itself again under ``torch.distributed.run`` with ``--nproc`` ranks.
+Several configurations (``--runs``, registered in ``runs.py``) are trained one after another
+in the same launch and compared in one report folder (``--out``): loss.png, comm_bytes.png,
+report.md, results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import platform
+import resource
+import shlex
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import runs as run_registry  # noqa: E402  (sibling modules of this script)
+
+WARMUP_STEPS = 3
+T_IMPORT = time.time()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=2, help="ZeRO stage")
+    g.add_argument(
+        "--dtype",
+        choices=("auto", "bf16", "fp32", "fp16"),
+        default="auto",
+        help="model/training dtype. auto: bf16 on GPUs and on CPUs with native bf16 matrix "
+        "multiply, else fp32 (bf16 is emulated, about 17x slower, on AVX2-only CPUs). "
+        "fp16: GPUs only",
+    )
+    g.add_argument("--offload", action="store_true", help="offload the optimizer to CPU (stage>=1)")
+    g.add_argument(
+        "--nproc", type=int, default=None, help="ranks to launch (default: #GPUs, else 2)"
+    )
+    g = p.add_argument_group("comparison")
+    g.add_argument(
+        "--runs",
+        default="baseline",
+        help="comma-separated runs to compare, each a registered name or a+b; 'all' for all",
+    )
+    g.add_argument(
+        "--plugins", default="", help="comma-separated plugin runs applied on top of every run"
+    )
+    g.add_argument("--list-runs", action="store_true", help="list the registered runs and exit")
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=150, help="optimizer steps per run")
+    g.add_argument("--micro-batch", type=int, default=16, help="sequences per rank per micro-step")
+    g.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    g.add_argument("--seq-len", type=int, default=128, help="context length in bytes")
+    g.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--eval-every", type=int, default=25, help="validation every N steps (and at end)")
+    g.add_argument("--eval-batches", type=int, default=4, help="validation batches per rank")
+    g.add_argument("--data-mb", type=float, default=4.0, help="MiB of stdlib source to train on")
+    g = p.add_argument_group("model")
+    g.add_argument("--layers", type=int, default=4)
+    g.add_argument("--d-model", type=int, default=128)
+    g.add_argument("--heads", type=int, default=4)
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default="reports/demo", help="report folder (written by rank 0)")
+    args = p.parse_args(argv)
+
+    for name in ("steps", "micro_batch", "grad_accum", "seq_len", "layers", "d_model", "heads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.eval_every < 1 or args.eval_batches < 1:
+        p.error("--eval-every and --eval-batches must be at least 1")
+    if args.d_model % args.heads:
+        p.error(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
+    if args.offload and args.stage == 0:
+        p.error("--offload needs ZeRO stage 1, 2 or 3 (DeepSpeed offloads ZeRO's optimizer)")
+    if args.nproc is not None and args.nproc < 1:
+        p.error("--nproc must be at least 1")
+    args.plugin_list = tuple(x for x in args.plugins.split(",") if x)
+    if args.runs.strip() == "all":
+        args.run_list = list(run_registry.RUNS)
+    else:
+        args.run_list = [x for x in args.runs.split(",") if x]
+    if not args.run_list:
+        p.error("--runs is empty")
+    for spec in args.run_list:
+        try:
+            run_registry.resolve(spec, args.plugin_list)
+        except KeyError as e:
+            p.error(str(e.args[0]))
+    return args
+
+
+def list_runs() -> None:
+    print("Registered runs (examples/runs.py):")
+    for name, run in run_registry.RUNS.items():
+        reason = run.skip_reason()
+        state = f"  [{reason}]" if reason else ""
+        print(f"  {name:<12} {run.help}{state}")
+
+
+# ---------------------------------------------------------------------------- launcher
+
+
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    """Start this script under torch.distributed.run and return its exit status."""
+    import torch
+
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nproc = args.nproc or n_gpu or 2
+    if n_gpu and nproc > n_gpu:
+        print(f"error: --nproc {nproc} but only {n_gpu} GPUs (one rank per GPU)", file=sys.stderr)
+        return 2
+    if not n_gpu and args.dtype == "fp16":
+        print(
+            "error: --dtype fp16 needs GPUs: DeepSpeed's CPU accelerator refuses fp16 here. "
+            "Use --dtype bf16 (default) or fp32.",
+            file=sys.stderr,
+        )
+        return 2
+    env = dict(os.environ)
+    if n_gpu:
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    else:
+        env.setdefault("DS_ACCELERATOR", "cpu")
+        env.setdefault("LOCAL_SIZE", str(nproc))  # DeepSpeed's CPU accelerator reads it
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(Path(__file__).resolve()),
+        *argv,
+    ]
+    where = f"{nproc} GPU rank(s), NCCL" if n_gpu else f"{nproc} CPU rank(s), gloo"
+    print(f"train_gpt: launching {where}", flush=True)
+    env["TRAIN_GPT_T0"] = str(T_IMPORT)
+    env["TRAIN_GPT_COMMAND"] = shlex.join(["python", sys.argv[0], *argv])
+    try:
+        rc = subprocess.run(cmd, env=env).returncode
+    except KeyboardInterrupt:
+        print("train_gpt: interrupted", file=sys.stderr)
+        return 130
+    if rc != 0:
+        print(f"train_gpt: failed (exit status {rc}); the failing rank's error is above.",
+              file=sys.stderr)
+    return rc
+
+
+# ---------------------------------------------------------------------------- worker
+
+
+def fast_bf16(cuda: bool) -> bool:
+    """Whether bf16 matrix multiplies run natively here (GPU, or AVX512/AMX CPUs)."""
+    import torch
+
+    if cuda:
+        return bool(torch.cuda.is_bf16_supported())
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
+
+
+def resolve_dtype(args: argparse.Namespace, cuda: bool) -> str:
+    """The dtype for ``--dtype auto``, the same on every rank (slowest rank decides)."""
+    import torch
+    import torch.distributed as dist
+
+    if args.dtype != "auto":
+        return args.dtype
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    flag = torch.tensor([1 if fast_bf16(cuda) else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return "bf16" if flag.item() else "fp32"
+
+
+def ds_config(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": args.stage}
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": args.grad_accum,
+        "train_batch_size": args.micro_batch * args.grad_accum * world_size,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": args.lr,
+                "betas": [0.9, 0.95],
+                "eps": 1e-8,
+                "weight_decay": 0.1,
+                "torch_adam": True,
+            },
+        },
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {
+                "total_num_steps": args.steps,
+                "warmup_num_steps": max(1, args.steps // 10),
+                "warmup_type": "linear",
+                "cos_min_ratio": 0.1,
+            },
+        },
+        "gradient_clipping": 1.0,
+        "zero_optimization": zero,
+        "bf16": {"enabled": args.dtype == "bf16"},
+        "fp16": {"enabled": args.dtype == "fp16", "initial_scale_power": 12},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if args.offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        cfg["zero_force_ds_cpu_optimizer"] = False  # keep torch AdamW, no JIT-built cpu_adam
+    return cfg
+
+
+def param_groups(model: Any) -> list[dict[str, Any]]:
+    """Weight decay on matrices only (not on biases, LayerNorm or embeddings)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.dim() == 2 and "emb" not in name else no_decay).append(p)
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def reset_peak_memory(cuda: bool) -> str:
+    import torch
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        return "torch.cuda.max_memory_allocated"
+    try:  # Linux: resets the process's peak RSS, so each run gets its own figure
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return "peak RSS of the rank process (getrusage ru_maxrss, reset per run)"
+    except OSError:
+        return "peak RSS of the rank process since start (getrusage ru_maxrss)"
+
+
+def peak_memory(cuda: bool) -> int:
+    import torch
+
+    if cuda:
+        return int(torch.cuda.max_memory_allocated())
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def step_comm_bytes(engine: Any) -> dict[str, dict[str, int]] | None:
+    """Bytes per collective and dtype in the last step from zerohooks' counters, if any."""
+    try:
+        import zerohooks
+    except ImportError:
+        return None
+    try:
+        att = zerohooks.attachment(engine)
+        counters = getattr(att, "counters", None) if att is not None else None
+        last = counters.last_step() if counters is not None else None
+    except Exception:  # counters are optional decoration; never fail training for them
+        return None
+    if last is None:
+        return None
+    return {str(c): {str(d): int(n) for d, n in v.items()} for c, v in dict(last).items()}
+
+
+def train_one(
+    run: run_registry.Run, args: argparse.Namespace, ctx: dict[str, Any], corpus: Any
+) -> dict[str, Any]:
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from data import BatchSampler
+    from gpt import GPT, GPTConfig
+    from tqdm import tqdm
+
+    try:
+        import zerohooks
+
+        initialize = zerohooks.initialize
+    except ImportError:
+        initialize = deepspeed.initialize
+
+    rank, world, cuda = ctx["rank"], ctx["world_size"], ctx["cuda"]
+    config = run.config(ds_config(args, world))
+    torch.manual_seed(args.seed)
+    model = GPT(
+        GPTConfig(
+            seq_len=args.seq_len, n_layer=args.layers, n_head=args.heads, d_model=args.d_model
+        )
+    )
+    ctx["n_params"] = model.num_parameters()
+    memory_kind = reset_peak_memory(cuda)
+    engine, _, _, _ = initialize(model=model, model_parameters=param_groups(model), config=config)
+    device = engine.device
+
+    train = BatchSampler(corpus.train, args.seq_len, args.micro_batch, args.seed, rank)
+    val_batches = BatchSampler(
+        corpus.val, args.seq_len, args.micro_batch, args.seed + 1, rank
+    ).fixed(args.eval_batches)
+    tokens_per_step = args.micro_batch * args.grad_accum * args.seq_len * world
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def evaluate() -> float:
+        engine.eval()
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        with torch.no_grad():
+            for x, y in val_batches:
+                total += engine(x.to(device), y.to(device)).double()
+        engine.train()
+        dist.all_reduce(total)
+        return total.item() / (len(val_batches) * world)
+
+    losses: list[float] = []
+    times: list[float] = []
+    comm: list[dict[str, dict[str, int]] | None] = []
+    val: list[tuple[int, float]] = []
+    bar = tqdm(
+        total=args.steps,
+        desc=f"{run.name}",
+        disable=rank != 0,
+        dynamic_ncols=True,
+        file=sys.stdout,
+        mininterval=0.5,
+    )
+    for step in range(1, args.steps + 1):
+        sync()
+        t0 = time.perf_counter()
+        step_loss = torch.zeros((), device=device)
+        for _ in range(args.grad_accum):
+            x, y = train.next()
+            loss = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.detach().float()
+        loss_value = step_loss.item() / args.grad_accum
+        sync()
+        dt = time.perf_counter() - t0
+        losses.append(loss_value)
+        times.append(dt)
+        comm.append(step_comm_bytes(engine))
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+        if step % args.eval_every == 0 or step == args.steps:
+            v = evaluate()
+            val.append((step, v))
+            if rank == 0:
+                bar.write(f"[{run.name}] step {step}: train loss {loss_value:.4f}, val loss {v:.4f}")
+    bar.close()
+    peak = peak_memory(cuda)
+
+    # gather every rank's numbers once, at the end (no extra collectives inside the loop)
+    mine = {"loss": losses, "time": times, "comm": comm, "peak": peak}
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    zero_cfg = config.get("zero_optimization", {})
+    offload = (zero_cfg.get("offload_optimizer") or {}).get("device")
+    dtype = "bf16" if config.get("bf16", {}).get("enabled") else "fp32"
+    dtype = "fp16" if config.get("fp16", {}).get("enabled") else dtype
+    result: dict[str, Any] = {
+        "name": run.name,
+        "status": "ok",
+        "help": run.help,
+        "zero_stage": zero_cfg.get("stage", 0),
+        "dtype": dtype,
+        "offload": offload if offload and offload != "none" else None,
+        "ds_config": config,
+        "tokens_per_step": tokens_per_step,
+        "warmup_steps": min(WARMUP_STEPS, max(0, args.steps - 1)),
+        "train_loss": [sum(g["loss"][i] for g in gathered) / world for i in range(args.steps)],
+        "step_time_s": [max(g["time"][i] for g in gathered) for i in range(args.steps)],
+        "val_loss": val,
+        "peak_memory_bytes": max(g["peak"] for g in gathered),
+        "memory_kind": memory_kind,
+        "per_rank": gathered,
+    }
+    if all(g["comm"][i] is not None for g in gathered for i in range(args.steps)):
+        summed = []
+        for i in range(args.steps):
+            step_sum: dict[str, dict[str, int]] = {}
+            for g in gathered:
+                for coll, by_dtype in g["comm"][i].items():
+                    for dt_name, n in by_dtype.items():
+                        d = step_sum.setdefault(coll, {})
+                        d[dt_name] = d.get(dt_name, 0) + n
+            summed.append(step_sum)
+        result["comm_bytes"] = summed
+    else:
+        result["comm_bytes"] = None
+
+    destroy = getattr(engine, "destroy", None)
+    if callable(destroy):
+        destroy()
+    del engine, model
+    gc.collect()
+    return result
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, *fragments: str) -> None:
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not any(f in msg for f in self.fragments)
+
+
+def quiet_deepspeed() -> None:
+    """Keep DeepSpeed's warnings, drop its info chatter and two known-harmless messages."""
+    import warnings
+
+    from deepspeed.utils import logger as ds_logger
+
+    ds_logger.setLevel(logging.WARNING)
+    ds_logger.addFilter(_DropMessages("get learning rate from scheduler before it has started"))
+    warnings.filterwarnings(  # DeepSpeed's calls of torch's renamed collectives
+        "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
+    )
+
+
+def skip_shm_build() -> None:
+    """Do not JIT-build DeepSpeed's shared-memory comm op on CPU (about a minute of C++).
+
+    DeepSpeed builds it at ``init_distributed`` but only uses it for inference all-reduce;
+    training collectives go through torch.distributed (gloo) either way.
+    """
+    try:
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    except Exception:  # a DeepSpeed without this table: let it do what it does
+        pass
+
+
+def worker(args: argparse.Namespace) -> int:
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    elif args.dtype == "fp16":
+        raise SystemExit("--dtype fp16 needs GPUs; use bf16 or fp32 on CPU")
+
+    import deepspeed
+    import torch.distributed as dist
+    from data import ByteCorpus
+    from report import write_report
+
+    quiet_deepspeed()
+    backend = "nccl" if cuda else "gloo"
+    if not cuda:
+        skip_shm_build()
+    deepspeed.init_distributed(dist_backend=backend)
+    try:
+        auto = args.dtype == "auto"
+        args.dtype = resolve_dtype(args, cuda)
+        if rank == 0 and auto:
+            why = (
+                "native bf16 matrix multiply"
+                if args.dtype == "bf16"
+                else "no native bf16 matrix multiply on this CPU, bf16 would be emulated"
+            )
+            print(f"dtype: {args.dtype} (auto: {why}; choose with --dtype)", flush=True)
+        t_start = float(os.environ.get("TRAIN_GPT_T0", "0")) or T_IMPORT
+        corpus = ByteCorpus.load(
+            train_bytes=int(args.data_mb * 2**20), val_bytes=max(1 << 16, int(args.data_mb * 2**16))
+        )
+        try:
+            import zerohooks
+
+            zh_version = getattr(zerohooks, "__version__", "installed")
+        except ImportError:
+            zh_version = None
+        ctx: dict[str, Any] = {"rank": rank, "world_size": world, "cuda": cuda}
+        meta: dict[str, Any] = {
+            "command": os.environ.get("TRAIN_GPT_COMMAND", shlex.join(["python", *sys.argv])),
+            "world_size": world,
+            "backend": backend,
+            "device": torch.cuda.get_device_name(0) if cuda else f"CPU ({platform.processor() or platform.machine()})",
+            "torch": torch.__version__,
+            "deepspeed": deepspeed.__version__,
+            "zerohooks": zh_version,
+            "model": {
+                "n_layer": args.layers,
+                "d_model": args.d_model,
+                "n_head": args.heads,
+                "seq_len": args.seq_len,
+                "vocab_size": 256,
+            },
+            "steps": args.steps,
+            "micro_batch": args.micro_batch,
+            "grad_accum": args.grad_accum,
+            "tokens_per_step": args.micro_batch * args.grad_accum * args.seq_len * world,
+            "warmup_steps": min(WARMUP_STEPS, max(0, args.steps - 1)),
+            "seed": args.seed,
+            "args": {k: v for k, v in vars(args).items() if k not in ("run_list", "plugin_list")},
+            "data": {
+                "root": corpus.root,
+                "train_bytes": corpus.train.numel(),
+                "val_bytes": corpus.val.numel(),
+                "train_files": corpus.train_files,
+                "val_files": corpus.val_files,
+            },
+        }
+        if rank == 0:
+            print(
+                f"data: {corpus.train.numel() / 2**20:.1f} MiB train ({corpus.train_files} files), "
+                f"{corpus.val.numel() / 2**10:.0f} KiB val ({corpus.val_files} files) from "
+                f"{corpus.root}",
+                flush=True,
+            )
+        results: list[dict[str, Any]] = []
+        for spec in args.run_list:
+            run = run_registry.resolve(spec, args.plugin_list)
+            reason = run.skip_reason()
+            if reason:
+                if rank == 0:
+                    print(f"[{run.name}] skipped: {reason}", flush=True)
+                results.append({"name": run.name, "status": "skipped", "reason": reason})
+            else:
+                results.append(train_one(run, args, ctx, corpus))
+            meta["n_params"] = ctx.get("n_params", 0)
+            meta["memory_kind"] = next(
+                (r["memory_kind"] for r in results if "memory_kind" in r), ""
+            )
+            meta["wall_time_s"] = round(time.time() - t_start, 1)
+            if rank == 0:  # after every run, so a later failure keeps the finished ones
+                folder = write_report(args.out, results, meta)
+        if rank == 0:
+            table = [ln for ln in (folder / "report.md").read_text().splitlines() if ln[:1] == "|"]
+            print("\n".join(table))
+            print(
+                f"done in {time.time() - t_start:.0f} s; report: {folder.resolve()} "
+                "(report.md, loss.png, comm_bytes.png, results.json)",
+                flush=True,
+            )
+        dist.barrier()
+        return 0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.list_runs:
+        list_runs()
+        return 0
+    if "RANK" not in os.environ:
+        return launch(args, argv)
+    try:
+        return worker(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        rank = os.environ.get("RANK", "?")
+        traceback.print_exc()
+        print(f"\ntrain_gpt: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,494 @@
+"""Nox sessions for the zerohooks monorepo.
+
+    nox                          the test command: every package's tests, integration, lint, typecheck
+    nox -l                       list the sessions
+    nox -s "tests(zerohooks)"    one package's tests (or: nox -s tests -k zerohooks)
+    nox -s tests -- -m "not slow" -x      posargs go to pytest
+    nox -s build                 build every package (sdist + wheel), install the wheels in a fresh venv
+    nox -s bench                 python benchmarks/run_all.py
+    nox -s demo -- --stage 3     python examples/train_gpt.py --stage 3
+
+Each `tests(<pkg>)` session installs ONLY that package and zerohooks (editable, from this tree) plus
+pytest, checks that nothing of ours came from an index, and runs pytest on packages/<pkg>/tests.
+
+Environment variables:
+    ZEROHOOKS_CONSTRAINTS   constraints file for every install (default: ./constraints.txt, which
+                            pins torch to the CPU build used by CI); set it empty to disable the pins,
+                            e.g. on a GPU machine where you choose your own torch build.
+    ZEROHOOKS_FIND_LINKS    extra wheel folders, os.pathsep-separated (default: /opt/wheels when it
+                            exists). pip reads pip.conf; uv does not, so nox passes them explicitly.
+    ZEROHOOKS_CPU_ONLY=1    fail a session if any nvidia-* / triton wheel got installed (set by .ci/run).
+    ZEROHOOKS_STALE_LOCK_MINUTES  JIT build locks older than this are removed (default 30).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import nox
+from packaging.requirements import Requirement
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # nox depends on tomli on Python 3.10
+    import tomli as tomllib
+
+nox.needs_version = ">=2024.3.2"
+nox.options.default_venv_backend = "uv|virtualenv"  # uv when installed (fast), else virtualenv + pip
+nox.options.reuse_venv = "yes"  # CI starts from nothing; locally venvs are reused (nox -R also skips installs)
+nox.options.error_on_external_run = True
+# The test command (`nox`): one tests(<pkg>) session per existing package, then the rest.
+nox.options.sessions = ["tests", "integration", "lint", "typecheck"]
+
+ROOT = Path(__file__).resolve().parent
+PACKAGES_DIR = ROOT / "packages"
+INTEGRATION_DIR = ROOT / "tests" / "integration"
+TORCH_EXTENSIONS_ROOT = ROOT / ".torch_extensions"
+LINT_PATHS = ("packages", "tests", "examples", "benchmarks", "noxfile.py")
+
+
+class Package(str, enum.Enum):
+    """Every package this monorepo knows; a member counts only once packages/<name>/ exists."""
+
+    zerohooks = "zerohooks"
+    accumdtype = "accumdtype"
+    autocastzero = "autocastzero"
+    mixedlayers = "mixedlayers"
+    loco = "loco"
+    nvmeswap = "nvmeswap"
+
+    @property
+    def path(self) -> Path:
+        return PACKAGES_DIR / self.value
+
+    @property
+    def rel(self) -> str:
+        return f"packages/{self.value}"
+
+    @property
+    def dist(self) -> str:
+        """Distribution name (pip install ...): plugins carry a prefix, `loco` is taken on PyPI."""
+        return "zerohooks" if self is Package.zerohooks else f"zerohooks-{self.value}"
+
+    @property
+    def module(self) -> str:
+        return self.value
+
+    @property
+    def src(self) -> Path:
+        return self.path / "src"
+
+    @property
+    def tests(self) -> Path:
+        return self.path / "tests"
+
+    @property
+    def exists(self) -> bool:
+        return (self.path / "pyproject.toml").is_file()
+
+    def extras(self) -> list[str]:
+        """The optional-dependency groups this package declares (we use `test` when present)."""
+        data = tomllib.loads((self.path / "pyproject.toml").read_text(encoding="utf-8"))
+        return sorted(data.get("project", {}).get("optional-dependencies", {}))
+
+
+PACKAGES = [p for p in Package if p.exists]
+
+for _unknown in sorted(PACKAGES_DIR.glob("*/pyproject.toml")):
+    if _unknown.parent.name not in Package.__members__:
+        print(
+            f"noxfile.py: warning: {_unknown.parent.relative_to(ROOT)} is not in the Package enum; "
+            "add it there to test it",
+            file=sys.stderr,
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# install helpers
+# ------------------------------------------------------------------------------------------------
+
+
+def _constraints() -> Path | None:
+    value = os.environ.get("ZEROHOOKS_CONSTRAINTS")
+    if value is None:
+        return ROOT / "constraints.txt"
+    if not value.strip():
+        return None
+    path = Path(value).expanduser().resolve()
+    if not path.is_file():
+        raise SystemExit(f"ZEROHOOKS_CONSTRAINTS={value!r}: no such file")
+    return path
+
+
+def _find_links() -> list[str]:
+    value = os.environ.get("ZEROHOOKS_FIND_LINKS")
+    if value is None:
+        value = "/opt/wheels" if Path("/opt/wheels").is_dir() else ""
+    return [v for v in value.split(os.pathsep) if v]
+
+
+def _pin_args() -> list[str]:
+    args: list[str] = []
+    constraints = _constraints()
+    if constraints is not None:
+        args += ["-c", str(constraints)]
+    for folder in _find_links():
+        args += ["--find-links", folder]
+    return args
+
+
+def _dev_requirement(name: str) -> str:
+    """The requirement for tool `name` from [dependency-groups].dev of the root pyproject.toml."""
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    for req in data.get("dependency-groups", {}).get("dev", []):
+        if isinstance(req, str) and Requirement(req).name == name:
+            return req
+    return name
+
+
+def _prepare(session: nox.Session) -> None:
+    """Environment shared by every session that installs torch/DeepSpeed."""
+    constraints = _constraints()
+    if constraints is not None:
+        # pip subprocesses (build isolation, tests that pip install) and uv honour these too
+        session.env["PIP_CONSTRAINT"] = str(constraints)
+        session.env["UV_CONSTRAINT"] = str(constraints)
+    links = _find_links()
+    if links:
+        session.env["UV_FIND_LINKS"] = " ".join(links)
+    session.env["DS_BUILD_OPS"] = "0"  # DeepSpeed builds its ops just in time, never at install
+
+
+def _install(session: nox.Session, *args: str, local: Iterable[Package] = ()) -> None:
+    """session.install with the pins; `local` packages are (re)installed editable from the tree."""
+    local = list(local)
+    extra: list[str] = []
+    for pkg in local:
+        spec = f"{pkg.rel}[test]" if "test" in pkg.extras() else pkg.rel
+        extra += ["-e", spec]
+        if session.venv_backend == "uv":  # uv does not reinstall local packages on its own
+            extra += ["--reinstall-package", pkg.dist]
+    start = time.perf_counter()
+    session.install(*_pin_args(), *extra, *args, env={"DS_BUILD_OPS": "0"})
+    session.log(f"install took {time.perf_counter() - start:.1f} s")
+
+
+def _use_jit_dir(session: nox.Session, python: str = "python") -> None:
+    """One TORCH_EXTENSIONS_DIR for all sessions (per Python and torch build), stale locks removed.
+
+    DeepSpeed builds its CPU ops just in time; sharing the folder means it builds them once, not
+    once per nox session. A killed build leaves a `lock` file that makes the next build wait
+    forever, so locks older than ZEROHOOKS_STALE_LOCK_MINUTES (30) are deleted first.
+    """
+    tag = session.run(
+        python,
+        "-c",
+        "import sys, importlib.metadata as m\n"
+        "try: t = m.version('torch')\n"
+        "except m.PackageNotFoundError: t = 'none'\n"
+        "print(f'py{sys.version_info[0]}{sys.version_info[1]}_torch{t}')",
+        silent=True,
+        log=False,
+        external=True,
+    )
+    assert isinstance(tag, str)
+    folder = TORCH_EXTENSIONS_ROOT / tag.strip().splitlines()[-1]
+    folder.mkdir(parents=True, exist_ok=True)
+    max_age = float(os.environ.get("ZEROHOOKS_STALE_LOCK_MINUTES", "30")) * 60
+    now = time.time()
+    for lock in TORCH_EXTENSIONS_ROOT.rglob("lock"):
+        try:
+            if lock.is_file() and now - lock.stat().st_mtime > max_age:
+                session.warn(f"removing stale JIT build lock {lock.relative_to(ROOT)}")
+                lock.unlink()
+        except FileNotFoundError:
+            pass
+    session.env["TORCH_EXTENSIONS_DIR"] = str(folder)
+
+
+# ------------------------------------------------------------------------------------------------
+# "did it come from this tree?" check, run inside the session's (or a fresh) venv
+# ------------------------------------------------------------------------------------------------
+
+_CHECK_INSTALL = r'''
+"""Fail unless every package of ours that is installed comes from this repository."""
+import importlib.metadata as md
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+cfg = json.loads(Path(sys.argv[1]).read_text())
+prefix = Path(sys.prefix).resolve()
+errors = []
+
+
+def inside(path, root):
+    try:
+        Path(path).resolve().relative_to(Path(root).resolve())
+        return True
+    except ValueError:
+        return False
+
+
+for dist, info in cfg["known"].items():
+    try:
+        d = md.distribution(dist)
+    except md.PackageNotFoundError:
+        if dist in cfg["expected"]:
+            errors.append(f"{dist}: not installed")
+        continue
+    where = d.locate_file("")
+    if dist not in cfg["expected"] and cfg["isolated"]:
+        errors.append(
+            f"{dist} {d.version}: installed, but this session must only have {sorted(cfg['expected'])} "
+            "(does a package depend on a sibling plugin?)"
+        )
+    text = d.read_text("direct_url.json")
+    url = json.loads(text).get("url", "") if text else ""
+    if not url.startswith("file:"):
+        installer = (d.read_text("INSTALLER") or "?").strip()
+        errors.append(
+            f"{dist} {d.version}: installed by {installer} from an index (PyPI?), not from this "
+            f"repository ({where})"
+        )
+        continue
+    source = Path(unquote(urlparse(url).path))
+    if not any(inside(source, root) for root in cfg["sources"]):
+        errors.append(f"{dist}: installed from {source}, outside {cfg['sources']}")
+        continue
+    spec = importlib.util.find_spec(info["module"])
+    if spec is None:
+        errors.append(f"{dist}: installed but `import {info['module']}` finds nothing")
+        continue
+    origin = spec.origin or next(iter(spec.submodule_search_locations or []), None)
+    if origin is None:
+        errors.append(f"{dist}: cannot locate module {info['module']}")
+        continue
+    if cfg["mode"] == "editable":
+        if not inside(origin, info["src"]):
+            errors.append(f"{dist}: `import {info['module']}` resolves to {origin}, not under {info['src']}")
+            continue
+    else:  # wheel: the module must be the installed copy, not the tree's source
+        if not inside(origin, prefix) or inside(origin, info["src"]):
+            errors.append(f"{dist}: `import {info['module']}` resolves to {origin}, not into {prefix}")
+            continue
+        if not (Path(origin).parent / "py.typed").is_file():
+            errors.append(f"{dist}: the wheel has no py.typed next to {origin}")
+            continue
+    print(f"  ok  {dist:24} {d.version:10} {cfg['mode']:8} {origin}")
+
+if cfg["cpu_only"]:
+    cuda = sorted(
+        {
+            d.metadata["Name"]
+            for d in md.distributions()
+            if d.metadata["Name"] and d.metadata["Name"].lower().startswith(("nvidia-", "triton", "cuda-"))
+        }
+    )
+    if cuda:
+        errors.append(
+            "ZEROHOOKS_CPU_ONLY is set but CUDA wheels were installed: " + ", ".join(cuda)
+            + " (is torch pinned by the constraints to the local CPU wheel?)"
+        )
+try:
+    print(f"  ok  torch {md.version('torch')}")
+except md.PackageNotFoundError:
+    pass
+
+if errors:
+    print("install check FAILED:", *errors, sep="\n  - ", file=sys.stderr)
+    sys.exit(1)
+'''
+
+
+def _check_install(
+    session: nox.Session,
+    expected: Iterable[Package],
+    *,
+    isolated: bool,
+    mode: str = "editable",
+    sources: Iterable[Path] = (ROOT,),
+    python: str = "python",
+) -> None:
+    """Fail the session if any of our packages resolves to something not built from this tree."""
+    cfg = {
+        "known": {p.dist: {"module": p.module, "src": str(p.src)} for p in Package},
+        "expected": sorted(p.dist for p in expected),
+        "isolated": isolated,
+        "mode": mode,
+        "sources": [str(s) for s in sources],
+        "cpu_only": os.environ.get("ZEROHOOKS_CPU_ONLY", "") not in ("", "0"),
+    }
+    cache = session.cache_dir
+    script = cache / "check_install.py"
+    script.write_text(_CHECK_INSTALL, encoding="utf-8")
+    config = cache / f"check_install-{session.name.replace('(', '-').replace(')', '')}.json"
+    config.write_text(json.dumps(cfg, indent=1), encoding="utf-8")
+    session.log("checking that our packages come from this repository")
+    session.run(python, str(script), str(config), external=True)
+
+
+def _has_tests(folder: Path) -> bool:
+    return folder.is_dir() and any(
+        f for pattern in ("test_*.py", "*_test.py") for f in folder.rglob(pattern) if ".nox" not in f.parts
+    )
+
+
+def _pytest(session: nox.Session, folder: Path) -> None:
+    # exit code 5 = "no tests collected" (e.g. everything deselected by -m/-k): not a failure
+    session.run("pytest", str(folder.relative_to(ROOT)), *session.posargs, success_codes=[0, 5])
+
+
+# ------------------------------------------------------------------------------------------------
+# sessions
+# ------------------------------------------------------------------------------------------------
+
+
+@nox.session(tags=["tests"])
+@nox.parametrize("package", [nox.param(p, id=p.value) for p in PACKAGES])
+def tests(session: nox.Session, package: Package) -> None:
+    """One package in isolation: only it and zerohooks, editable from the tree, plus pytest."""
+    _prepare(session)
+    wanted = [Package.zerohooks] if package is Package.zerohooks else [Package.zerohooks, package]
+    _install(session, _dev_requirement("pytest"), local=wanted)
+    _check_install(session, wanted, isolated=True)
+    if not _has_tests(package.tests):
+        session.skip(f"{package.rel}/tests has no test files yet: nothing to run")
+    _use_jit_dir(session)
+    _pytest(session, package.tests)
+
+
+@nox.session(tags=["tests"])
+def integration(session: nox.Session) -> None:
+    """All packages together: pytest tests/integration."""
+    if not _has_tests(INTEGRATION_DIR):
+        session.skip("tests/integration has no test files yet: nothing to run")
+    _prepare(session)
+    args = [_dev_requirement("pytest")]
+    if (INTEGRATION_DIR / "requirements.txt").is_file():
+        args += ["-r", str(INTEGRATION_DIR / "requirements.txt")]
+    _install(session, *args, local=PACKAGES)
+    _check_install(session, PACKAGES, isolated=False)
+    _use_jit_dir(session)
+    _pytest(session, INTEGRATION_DIR)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check + ruff format --check (`nox -s lint -- --fix` fixes and formats instead)."""
+    session.install(_dev_requirement("ruff"))
+    paths = [p for p in LINT_PATHS if (ROOT / p).exists()]
+    fix = "--fix" in session.posargs
+    commands = (
+        [["ruff", "check", "--fix", *paths], ["ruff", "format", *paths]]
+        if fix
+        else [["ruff", "check", *paths], ["ruff", "format", "--check", "--diff", *paths]]
+    )
+    failed = []
+    for command in commands:  # run both even when the first fails
+        try:
+            session.run(*command)
+        except nox.command.CommandFailed:
+            failed.append(" ".join(command[:2]))
+    if failed:
+        session.error(f"{', '.join(failed)} failed")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy on each package's src/<name> (strict for zerohooks; see [tool.mypy] in pyproject.toml)."""
+    _prepare(session)
+    _install(session, _dev_requirement("mypy"), local=PACKAGES)
+    failed = []
+    for pkg in PACKAGES:
+        target = pkg.src / pkg.module
+        if not target.is_dir():
+            session.warn(f"{target.relative_to(ROOT)} does not exist; skipped")
+            continue
+        try:
+            session.run("mypy", str(target.relative_to(ROOT)), *session.posargs)
+        except nox.command.CommandFailed:
+            failed.append(pkg.value)
+    if failed:
+        session.error(f"mypy failed for: {', '.join(failed)}")
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Build every package (sdist, then wheel from the sdist); install the wheels in a fresh venv."""
+    _prepare(session)
+    uv = session.venv_backend == "uv" and shutil.which("uv") is not None
+    build_req = Requirement(_dev_requirement("build"))
+    if uv:
+        build_req.extras.add("uv")
+    session.install(str(build_req))
+    tmp = Path(session.create_tmp())
+    dist = tmp / "dist"
+    venv = tmp / "fresh-venv"
+    for folder in (dist, venv):
+        shutil.rmtree(folder, ignore_errors=True)
+    for pkg in PACKAGES:
+        session.run(
+            "python", "-m", "build", *(["--installer", "uv"] if uv else []), "--outdir", str(dist), pkg.rel
+        )
+    wheels = sorted(str(w) for w in dist.glob("*.whl"))
+    session.log("built:\n    " + "\n    ".join(sorted(f.name for f in dist.iterdir())))
+
+    py = str(venv / "bin" / "python")
+    start = time.perf_counter()
+    if uv:
+        session.run("uv", "venv", "--python", sys.executable, str(venv), external=True)
+        session.run("uv", "pip", "install", "--python", py, *_pin_args(), *wheels, external=True)
+    else:
+        session.run(sys.executable, "-m", "venv", str(venv), external=True)
+        session.run(py, "-m", "pip", "install", *_pin_args(), *wheels, external=True)
+    session.log(f"fresh venv + wheel install took {time.perf_counter() - start:.1f} s")
+
+    _check_install(session, PACKAGES, isolated=False, mode="wheel", sources=[dist], python=py)
+    _use_jit_dir(session, python=py)
+    with session.chdir(tmp):  # away from the tree, so nothing can be imported from it by accident
+        for pkg in PACKAGES:
+            session.run(
+                py,
+                "-c",
+                f"import {pkg.module}, importlib.metadata as m; "
+                f"print('imported', {pkg.module}.__name__, m.version({pkg.dist!r}), 'from', {pkg.module}.__file__)",
+                external=True,
+            )
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """python benchmarks/run_all.py [posargs] with every package installed."""
+    script = ROOT / "benchmarks" / "run_all.py"
+    if not script.is_file():
+        session.skip("benchmarks/run_all.py does not exist yet")
+    _prepare(session)
+    req = ROOT / "benchmarks" / "requirements.txt"
+    _install(session, *(["-r", str(req)] if req.is_file() else []), local=PACKAGES)
+    _check_install(session, PACKAGES, isolated=False)
+    _use_jit_dir(session)
+    session.run("python", str(script.relative_to(ROOT)), *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """python examples/train_gpt.py [posargs], e.g. `nox -s demo -- --stage 3 --plugins loco`."""
+    script = ROOT / "examples" / "train_gpt.py"
+    if not script.is_file():
+        session.skip("examples/train_gpt.py does not exist yet")
+    _prepare(session)
+    req = ROOT / "examples" / "requirements.txt"
+    _install(session, *(["-r", str(req)] if req.is_file() else []), local=PACKAGES)
+    _check_install(session, PACKAGES, isolated=False)
+    _use_jit_dir(session)
+    session.run("python", str(script.relative_to(ROOT)), *session.posargs)

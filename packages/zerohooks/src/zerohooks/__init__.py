@@ -1,0 +1,58 @@
+"""zerohooks: a typed hook registry for DeepSpeed ZeRO and the adapter that fires it.
+
+``zerohooks.initialize`` replaces ``deepspeed.initialize``; plugins found through the
+``zerohooks.plugins`` entry-point group are enabled by their section in the DeepSpeed config.
+"""
+
+from __future__ import annotations
+
+import deepspeed as _deepspeed
+
+from zerohooks.__about__ import __version__
+from zerohooks._compat import SUPPORTED_DEEPSPEED, check_deepspeed_version
+
+check_deepspeed_version(_deepspeed.__version__)
+
+from zerohooks.adapter import Attachment, attachment_of, detach  # noqa: E402
+from zerohooks.config import ENTRY_POINT_GROUP, KNOWN_PLUGINS, available_plugins  # noqa: E402
+from zerohooks.counters import CommCounters  # noqa: E402
+from zerohooks.errors import (  # noqa: E402
+    ConfigError,
+    DeepSpeedInternalMissing,
+    PluginNotInstalledError,
+    UnsupportedDeepSpeedError,
+)
+from zerohooks.hookspec import GradientReducer, ReduceBucket, SetupContext, StepContext, SwapOwner  # noqa: E402
+from zerohooks.initialize import initialize  # noqa: E402
+from zerohooks.plugin import PluginConfig, ZeroPlugin  # noqa: E402
+from zerohooks.registry import HookRegistry, OwnerConflictError, RemovableHandle  # noqa: E402
+
+attachment = attachment_of
+"""``zerohooks.attachment(engine)``: the engine's :class:`Attachment` (counters, registry) or None."""
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "KNOWN_PLUGINS",
+    "SUPPORTED_DEEPSPEED",
+    "Attachment",
+    "CommCounters",
+    "ConfigError",
+    "DeepSpeedInternalMissing",
+    "GradientReducer",
+    "HookRegistry",
+    "OwnerConflictError",
+    "PluginConfig",
+    "PluginNotInstalledError",
+    "ReduceBucket",
+    "RemovableHandle",
+    "SetupContext",
+    "StepContext",
+    "SwapOwner",
+    "UnsupportedDeepSpeedError",
+    "ZeroPlugin",
+    "__version__",
+    "attachment",
+    "available_plugins",
+    "detach",
+    "initialize",
+]

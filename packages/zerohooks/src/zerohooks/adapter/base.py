@@ -1,0 +1,140 @@
+"""The attachment of a registry to one DeepSpeed engine: per-instance patches that can be undone."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zerohooks._compat import require_attr
+from zerohooks.counters import CommCounters
+from zerohooks.errors import ConfigError
+from zerohooks.hookspec import ReduceBucket, SetupContext, StepContext
+from zerohooks.plugin import ZeroPlugin
+from zerohooks.registry import HookRegistry
+
+__all__ = ["Attachment", "attachment_of"]
+
+_MISSING = object()
+_attachments: weakref.WeakKeyDictionary[Any, Attachment] = weakref.WeakKeyDictionary()
+
+
+def attachment_of(engine: Any) -> Attachment | None:
+    """The :class:`Attachment` of ``engine``, or None when zerohooks did not build it."""
+    return _attachments.get(engine)
+
+
+class Attachment:
+    """Everything zerohooks changed on one engine, and the means to change it back.
+
+    Only instance attributes are touched (a bound method shadowed on the object); DeepSpeed's
+    classes and modules are never modified, so other engines in the process are unaffected.
+    """
+
+    def __init__(
+        self, engine: Any, registry: HookRegistry, setup: SetupContext, plugins: list[ZeroPlugin]
+    ) -> None:
+        self.engine = engine
+        self.registry = registry
+        self.setup = setup
+        self.plugins = plugins
+        self.counters = CommCounters()
+        self.step_ctx = StepContext(engine, setup.zero_stage)
+        self._patches: list[tuple[Any, str, Any]] = []
+        self._handles: list[Any] = []
+        self.attached = False
+
+    # -- patching ------------------------------------------------------------------------------
+    def patch(self, obj: Any, name: str, make: Callable[[Any], Any], what: str | None = None) -> None:
+        """Shadow ``obj.name`` with ``make(original)`` on this instance only."""
+        original = require_attr(obj, name, what)
+        previous = obj.__dict__.get(name, _MISSING)
+        self._patches.append((obj, name, previous))
+        setattr(obj, name, make(original))
+
+    def keep_handle(self, handle: Any) -> None:
+        """Remember a torch hook handle to remove on detach."""
+        self._handles.append(handle)
+
+    def detach(self) -> None:
+        """Undo every patch and hook, newest first, and close the plugins."""
+        for h in reversed(self._handles):
+            h.remove()
+        self._handles.clear()
+        for obj, name, previous in reversed(self._patches):
+            if previous is _MISSING:
+                obj.__dict__.pop(name, None)
+            else:
+                obj.__dict__[name] = previous
+        self._patches.clear()
+        for p in self.plugins:
+            p.close()
+        _attachments.pop(self.engine, None)
+        self.attached = False
+
+    # -- shared pieces used by the stage adapters ------------------------------------------------
+    def comm_dtype(self, param: Any, dtype: torch.dtype) -> torch.dtype:
+        """Apply the ``reduce_dtype`` transforms."""
+        for fn in self.registry.reduce_dtype.frozen:
+            dtype = fn(param, dtype)
+        return dtype
+
+    def reduce_tensor(self, param: Any, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """Apply the ``reduce_tensor`` transforms."""
+        for fn in self.registry.reduce_tensor.frozen:
+            tensor = fn(param, tensor)
+        return tensor
+
+    def fire_micro_step_grad(self, param: Any) -> None:
+        ctx = self.step_ctx
+        for fn in self.registry.micro_step_grad.frozen:
+            fn(param, ctx)
+
+    def owner_all_reduce(self, flat: torch.Tensor, group: Any, average: bool, params: Any = ()) -> None:
+        """Hand one flat tensor to the owning reducer (in place)."""
+        reducer = self.registry.reducer.owner
+        assert reducer is not None
+        world = torch.distributed.get_world_size(group=group)
+        reducer.reduce(ReduceBucket("all_reduce", [flat], list(params), flat.dtype, group, world, average))
+
+    def check_default_averaging(self, predivide: float, postscale: bool) -> None:
+        """An owner of the collective supports DeepSpeed's default averaging only."""
+        if self.registry.reducer.owner is not None and predivide != 1.0:
+            raise ConfigError(
+                f"gradient_predivide_factor={predivide} is not supported when {self.registry.reducer.name!r} "
+                "owns the gradient collective; remove gradient_predivide_factor (default 1.0)"
+            )
+
+    # -- engine-level patches (every stage) -------------------------------------------------------
+    def install_engine_patches(self) -> None:
+        reg = self.registry
+        ctx = self.step_ctx
+        counters = self.counters
+        engine = self.engine
+
+        def make_step(original: Callable[..., Any]) -> Callable[..., Any]:
+            def _take_model_step(*args: Any, **kwargs: Any) -> Any:
+                for fn in reg.before_step.frozen:
+                    fn(ctx)
+                skipped_before = engine.skipped_steps
+                out = original(*args, **kwargs)
+                skipped = engine.skipped_steps != skipped_before
+                for after in reg.after_step.frozen:
+                    after(ctx, skipped)
+                counters.end_step()
+                return out
+
+            return _take_model_step
+
+        self.patch(engine, "_take_model_step", make_step, "DeepSpeedEngine")
+        require_attr(engine, "skipped_steps", "DeepSpeedEngine")
+
+        from zerohooks.adapter.checkpoint import install_checkpoint_patches
+
+        install_checkpoint_patches(self)
+
+    def register(self) -> None:
+        _attachments[self.engine] = self
+        self.attached = True

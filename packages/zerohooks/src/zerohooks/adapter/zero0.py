@@ -1,0 +1,59 @@
+"""Adapter for training without ZeRO partitioning (stage 0): the engine all-reduces gradients."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from zerohooks.adapter.base import Attachment
+
+
+def install(att: Attachment) -> None:
+    engine = att.engine
+    reg = att.registry
+    counters = att.counters
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+
+    if reg.micro_step_grad.frozen:
+        for p in params:
+            att.keep_handle(p.register_post_accumulate_grad_hook(att.fire_micro_step_grad))
+
+    att.check_default_averaging(float(engine.gradient_predivide_factor()), bool(engine.postscale_gradients()))
+    hooked = bool(reg.reducer.owner or reg.reduce_dtype.frozen or reg.reduce_tensor.frozen)
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def allreduce_bucket(bucket: list[torch.Tensor], dp_group: Any, dp_world_size: Any = None) -> torch.Tensor:
+            default = engine.communication_data_type
+            if not hooked:
+                counters.add("all_reduce", default, sum(t.numel() for t in bucket) * default.itemsize)
+                return original(bucket, dp_group, dp_world_size)
+            by_ptr = {p.grad.data_ptr(): p for p in params if p.grad is not None}
+            groups: dict[torch.dtype, list[tuple[torch.Tensor, Any]]] = {}
+            for g in bucket:
+                p = by_ptr.get(g.data_ptr())
+                t = att.reduce_tensor(p, g) if p is not None else g
+                if t is None:
+                    continue
+                groups.setdefault(att.comm_dtype(p, default), []).append((t, p))
+            world = dist.get_world_size(group=dp_group) if dp_world_size is None else dp_world_size
+            for dtype, items in groups.items():
+                tensors = [t for t, _ in items]
+                flat = _flatten_dense_tensors(tensors).to(dtype)
+                counters.add("all_reduce", dtype, flat.numel() * dtype.itemsize)
+                if reg.reducer.owner is not None:
+                    att.owner_all_reduce(flat, dp_group, engine.gradient_average, [p for _, p in items])
+                else:
+                    dist.all_reduce(flat, group=dp_group)
+                    if engine.gradient_average:
+                        flat.div_(world)
+                for t, r in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
+                    t.copy_(r)
+            return _flatten_dense_tensors(bucket)
+
+        return allreduce_bucket
+
+    att.patch(engine, "allreduce_bucket", make, "DeepSpeedEngine")

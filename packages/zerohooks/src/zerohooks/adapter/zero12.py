@@ -1,0 +1,115 @@
+"""Adapter for ZeRO stages 1 and 2 (``DeepSpeedZeroOptimizer``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zerohooks._compat import require_attr
+from zerohooks.adapter.base import Attachment
+from zerohooks.errors import ConfigError
+
+_OPT = "DeepSpeedZeroOptimizer"
+
+
+def _ensure_buckets(att: Attachment, opt: Any) -> None:
+    """Create IPG buckets for every dtype the ``reduce_dtype`` hooks may choose."""
+    buckets = require_attr(opt, "ipg_buckets", _OPT)
+    default = opt.communication_data_type
+    bucket_cls = type(next(iter(buckets.values())))
+    for group in opt.bit16_groups:
+        for p in group:
+            dtype = att.comm_dtype(p, default)
+            if dtype not in buckets:
+                buckets[dtype] = bucket_cls()
+
+
+def install(att: Attachment) -> None:
+    opt = att.engine.optimizer
+    reg = att.registry
+    counters = att.counters
+    att.check_default_averaging(float(opt.gradient_predivide_factor), bool(opt.postscale_gradients))
+
+    if reg.micro_step_grad.frozen:
+
+        def make_process(original: Callable[..., Any]) -> Callable[..., Any]:
+            def process_gradients(param: Any, i: int) -> Any:
+                att.fire_micro_step_grad(param)
+                return original(param, i)
+
+            return process_gradients
+
+        att.patch(opt, "process_gradients", make_process, _OPT)
+
+    if reg.reduce_dtype.frozen:
+
+        def make_dtype(original: Callable[..., Any]) -> Callable[..., Any]:
+            def get_param_comm_dtype(param: Any) -> torch.dtype:
+                return att.comm_dtype(param, original(param))
+
+            return get_param_comm_dtype
+
+        att.patch(opt, "get_param_comm_dtype", make_dtype, _OPT)
+        _ensure_buckets(att, opt)
+
+    if reg.reduce_tensor.frozen:
+
+        def make_tensor(original: Callable[..., Any]) -> Callable[..., Any]:
+            def get_gradient_for_reduction(param: Any) -> Any:
+                return att.reduce_tensor(param, original(param))
+
+            return get_gradient_for_reduction
+
+        att.patch(opt, "get_gradient_for_reduction", make_tensor, _OPT)
+
+    owner = reg.reducer.owner is not None
+    if owner and opt.sequence_parallel_size > 1:
+        raise ConfigError(
+            f"{reg.reducer.name!r} owns the gradient collective, which does not support sequence parallelism"
+        )
+
+    def make_bucket(original: Callable[..., Any]) -> Callable[..., Any]:
+        # Every gradient collective of ZeRO 1/2 (the IPG path through average_tensor and the
+        # non-contiguous fallbacks) ends in allreduce_bucket: one flat tensor per call.
+        def allreduce_bucket(
+            bucket: list[torch.Tensor],
+            communication_data_type: torch.dtype,
+            rank: int | None = None,
+            log: Any = None,
+            divide: bool = True,
+            process_group: Any = None,
+        ) -> torch.Tensor:
+            numel = sum(t.numel() for t in bucket)
+            counters.add("all_reduce" if rank is None else "reduce", communication_data_type,
+                         numel * communication_data_type.itemsize)
+            if not owner:
+                return original(bucket, communication_data_type, rank, log, divide, process_group)
+            group = opt.dp_process_group if process_group is None else process_group
+            tensor = opt.flatten(bucket)
+            flat = tensor if tensor.dtype == communication_data_type else tensor.to(communication_data_type)
+            att.owner_all_reduce(flat, group, bool(divide and opt.gradient_average))
+            if flat is not tensor:
+                tensor.copy_(flat)
+            return flat
+
+        return allreduce_bucket
+
+    att.patch(opt, "allreduce_bucket", make_bucket, _OPT)
+
+    def make_predivide(original: Callable[..., Any]) -> Callable[..., Any]:
+        # Used instead of the above when zero_optimization.reduce_scatter is false.
+        def gradient_reduction_w_predivide(tensor: torch.Tensor, communication_data_type: torch.dtype) -> Any:
+            counters.add("all_reduce", communication_data_type, tensor.numel() * communication_data_type.itemsize)
+            if not owner or tensor.numel() == 0:
+                return original(tensor, communication_data_type)
+            flat = tensor if tensor.dtype == communication_data_type else tensor.to(communication_data_type)
+            att.owner_all_reduce(flat, opt.dp_process_group, bool(opt.gradient_average))
+            if flat is not tensor:
+                tensor.copy_(flat)
+            return flat
+
+        return gradient_reduction_w_predivide
+
+    att.patch(opt, "gradient_reduction_w_predivide", make_predivide, _OPT)

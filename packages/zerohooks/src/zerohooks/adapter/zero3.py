@@ -1,0 +1,154 @@
+"""Adapter for ZeRO stage 3 (``DeepSpeedZeroOptimizer_Stage3``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zerohooks._compat import require_attr
+from zerohooks.adapter.base import Attachment
+from zerohooks.errors import ConfigError
+from zerohooks.hookspec import ReduceBucket
+
+_OPT = "DeepSpeedZeroOptimizer_Stage3"
+_MANGLE = "_DeepSpeedZeroOptimizer_Stage3__"
+
+
+def _ensure_buckets(att: Attachment, opt: Any) -> None:
+    """Create IPG buckets (with their contiguous buffers) for dtypes the hooks may choose."""
+    buckets = require_attr(opt, "ipg_buckets", _OPT)
+    default = opt.communication_data_type
+    bucket_cls = type(next(iter(buckets.values())))
+    device = next(iter(buckets.values())).buffer.device if opt.contiguous_gradients else None
+    for group in opt.fp16_groups:
+        for p in group:
+            dtype = att.comm_dtype(p, default)
+            if dtype not in buckets:
+                bucket = bucket_cls()
+                if opt.contiguous_gradients:
+                    bucket.buffer = torch.empty(int(opt.reduce_bucket_size), dtype=dtype, device=device)
+                buckets[dtype] = bucket
+
+
+def _install_grad_hooks(att: Attachment, opt: Any) -> None:
+    reg = att.registry
+    if reg.micro_step_grad.frozen:
+
+        def make_ready(original: Callable[..., Any]) -> Callable[..., Any]:
+            def reduce_ready_partitions_and_remove_grads(param: Any) -> Any:
+                att.fire_micro_step_grad(param)
+                return original(param)
+
+            return reduce_ready_partitions_and_remove_grads
+
+        att.patch(opt, "reduce_ready_partitions_and_remove_grads", make_ready, _OPT)
+
+    if reg.reduce_dtype.frozen:
+
+        def make_dtype(original: Callable[..., Any]) -> Callable[..., Any]:
+            def get_param_comm_dtype(param: Any) -> torch.dtype:
+                return att.comm_dtype(param, original(param))
+
+            return get_param_comm_dtype
+
+        att.patch(opt, "get_param_comm_dtype", make_dtype, _OPT)
+        _ensure_buckets(att, opt)
+
+
+def _install_collectives(att: Attachment, opt: Any) -> None:
+    reg = att.registry
+    counters = att.counters
+    owner = reg.reducer.owner is not None
+    hooked = owner or bool(reg.reduce_tensor.frozen)
+    if hooked and opt.contiguous_gradients and not opt.reduce_scatter:
+        raise ConfigError(
+            "zero_optimization.reduce_scatter=false is not supported with plugins that own or replace the "
+            "reduced gradient tensor; remove reduce_scatter (default true)"
+        )
+    att.check_default_averaging(float(opt.gradient_predivide_factor), bool(opt.postscale_gradients))
+    from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced
+
+    def make_scatter(original: Callable[..., Any]) -> Callable[..., Any]:
+        def avg_scatter_grads(params: list[Any], communication_data_type: torch.dtype) -> list[torch.Tensor]:
+            counters.add("reduce_scatter", communication_data_type,
+                         sum(p.grad.numel() for p in params) * communication_data_type.itemsize)
+            if not hooked:
+                return original(params, communication_data_type)
+            group = opt._get_param_partition_group(params[0])
+            world = dist.get_world_size(group=group)
+            tensors = []
+            for p in params:
+                t = att.reduce_tensor(p, p.grad)
+                if t is None:
+                    raise RuntimeError(f"a reduce_tensor hook returned None for a ZeRO-3 parameter (ds_id {p.ds_id})")
+                tensors.append(t if t.dtype == communication_data_type else t.to(communication_data_type))
+            if owner:
+                bucket = ReduceBucket("reduce_scatter", tensors, params, communication_data_type, group, world, True)
+                parts = reg.reducer.owner.reduce(bucket)  # type: ignore[union-attr]
+                if parts is None or len(parts) != len(tensors):
+                    raise RuntimeError(f"{reg.reducer.name!r} must return one partition per tensor for reduce_scatter")
+            else:
+                parts = reduce_scatter_coalesced(tensors, group)
+            averaging = opt._gradient_averaging_world_size(params, world)
+            if averaging != world:
+                parts = [g.mul(world / float(averaging)) for g in parts]
+            acc = opt.gradient_accumulation_dtype
+            return [g if g.dtype == acc else g.to(acc) for g in parts]
+
+        return avg_scatter_grads
+
+    att.patch(opt, _MANGLE + "avg_scatter_grads", make_scatter, _OPT)
+
+    def make_contiguous(original: Callable[..., Any]) -> Callable[..., Any]:
+        def avg_scatter_contiguous_grads(buffer: torch.Tensor, communication_data_type: torch.dtype) -> Any:
+            counters.add("all_reduce", communication_data_type, buffer.numel() * communication_data_type.itemsize)
+            return original(buffer, communication_data_type)
+
+        return avg_scatter_contiguous_grads
+
+    att.patch(opt, _MANGLE + "avg_scatter_contiguous_grads", make_contiguous, _OPT)
+
+
+def _install_swap(att: Attachment, opt: Any) -> None:
+    swapper = att.registry.swapper.owner
+    if swapper is None:
+        return
+    if not getattr(opt, "swap_optimizer", False):
+        raise ConfigError(
+            f"{att.registry.swapper.name!r} owns the NVMe optimizer swap path, which needs ZeRO 3 with "
+            'zero_optimization.offload_optimizer.device = "nvme"'
+        )
+
+    def make_grads(original: Callable[..., Any]) -> Callable[..., Any]:
+        def swap_out_gradients(grads: dict[int, list[torch.Tensor]], offsets: dict[int, list[int]]) -> None:
+            for i in list(grads):
+                g, o = grads[i], offsets[i]
+                swapper.swap_out_gradients(opt, i, o, g, lambda i=i, g=g, o=o: original({i: g}, {i: o}))
+
+        return swap_out_gradients
+
+    def make_in(original: Callable[..., Any]) -> Callable[..., Any]:
+        def swap_in(sub_group_id: int, timer_names: Any = None) -> None:
+            swapper.swap_in(opt, sub_group_id, lambda: original(sub_group_id, timer_names))
+
+        return swap_in
+
+    def make_out(original: Callable[..., Any]) -> Callable[..., Any]:
+        def swap_out(sub_group_id: int, timer_names: Any = None) -> None:
+            swapper.swap_out(opt, sub_group_id, lambda: original(sub_group_id, timer_names))
+
+        return swap_out
+
+    att.patch(opt, "_swap_out_offload_fp32_gradients", make_grads, _OPT)
+    att.patch(opt, "_optimizer_states_and_gradient_swap_in", make_in, _OPT)
+    att.patch(opt, "_optimizer_states_and_gradient_swap_out", make_out, _OPT)
+
+
+def install(att: Attachment) -> None:
+    opt = att.engine.optimizer
+    _install_grad_hooks(att, opt)
+    _install_collectives(att, opt)
+    _install_swap(att, opt)

@@ -1,0 +1,119 @@
+"""Reading the DeepSpeed config: plugin sections out, validated; DeepSpeed's part passed on."""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import os
+from collections.abc import Mapping
+from importlib.metadata import entry_points
+from typing import Any
+
+import pydantic
+
+from zerohooks.errors import ConfigError, PluginNotInstalledError
+from zerohooks.plugin import ZeroPlugin
+
+__all__ = ["ENTRY_POINT_GROUP", "KNOWN_PLUGINS", "available_plugins", "load_config", "split_plugin_sections"]
+
+ENTRY_POINT_GROUP = "zerohooks.plugins"
+"""Entry-point group under which plugin distributions register their ``ZeroPlugin`` class."""
+
+KNOWN_PLUGINS: dict[str, str] = {
+    "accumdtype": "zerohooks-accumdtype",
+    "autocastzero": "zerohooks-autocastzero",
+    "mixedlayers": "zerohooks-mixedlayers",
+    "loco": "zerohooks-loco",
+    "nvmeswap": "zerohooks-nvmeswap",
+}
+"""Section name -> distribution providing it, for the project's own plugins."""
+
+_cache: dict[str, type[ZeroPlugin]] | None = None
+
+
+def available_plugins(refresh: bool = False) -> dict[str, type[ZeroPlugin]]:
+    """Plugin classes registered in the ``zerohooks.plugins`` entry-point group, by name."""
+    global _cache
+    if _cache is None or refresh:
+        found: dict[str, type[ZeroPlugin]] = {}
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            cls = ep.load()
+            if not (isinstance(cls, type) and issubclass(cls, ZeroPlugin)):
+                raise TypeError(f"entry point {ep.name!r} = {ep.value!r} is not a zerohooks.ZeroPlugin subclass")
+            if cls.name != ep.name:
+                raise TypeError(f"entry point {ep.name!r} loads plugin class named {cls.name!r}; they must match")
+            found[ep.name] = cls
+        _cache = found
+    return dict(_cache)
+
+
+def load_config(config: Any) -> dict[str, Any]:
+    """A private copy of ``config`` given as a dict or a path to a JSON file."""
+    if config is None:
+        return {}
+    if isinstance(config, Mapping):
+        return copy.deepcopy(dict(config))
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"DeepSpeed config file {path!r} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"DeepSpeed config file {path!r} is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"DeepSpeed config file {path!r} must hold a JSON object, not {type(data).__name__}")
+        return data
+    raise ConfigError(f"config must be a dict or a path to a JSON file, not {type(config).__name__}")
+
+
+def _format_validation_error(section: str, err: pydantic.ValidationError, model: type[pydantic.BaseModel]) -> str:
+    lines = [f'invalid "{section}" section in the DeepSpeed config:']
+    fields = list(model.model_fields)
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(section)"
+        key = f"{section}.{loc}"
+        if e["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(str(e["loc"][-1]), fields, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            lines.append(f"  {key}: unknown key{hint}; accepted keys: {', '.join(fields)}")
+        else:
+            lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def split_plugin_sections(
+    ds_config: dict[str, Any], plugins: Mapping[str, type[ZeroPlugin]] | None = None
+) -> list[ZeroPlugin]:
+    """Remove plugin sections from ``ds_config`` (in place) and build the enabled plugins.
+
+    A section is a plugin's when its key is an installed plugin's name or one of
+    :data:`KNOWN_PLUGINS`.  A known section whose plugin is not installed raises
+    :class:`PluginNotInstalledError` naming the distribution.  A section may be ``false`` or
+    ``{"enabled": false}`` to leave the plugin off.
+    """
+    plugins = available_plugins() if plugins is None else plugins
+    built: list[ZeroPlugin] = []
+    for key in sorted(set(ds_config) & (set(plugins) | set(KNOWN_PLUGINS))):
+        section = ds_config.pop(key)
+        if section is False or (isinstance(section, dict) and section.get("enabled", True) is False):
+            continue
+        if key not in plugins:
+            raise PluginNotInstalledError(
+                f'the DeepSpeed config has a "{key}" section but the {key} plugin is not installed: '
+                f"pip install {KNOWN_PLUGINS[key]}"
+            )
+        cls = plugins[key]
+        if section is True:
+            section = {}
+        if not isinstance(section, dict):
+            raise ConfigError(f'"{key}" section must be a JSON object (or true/false), not {type(section).__name__}')
+        section = {k: v for k, v in section.items() if k != "enabled"}
+        try:
+            cfg = cls.Config.model_validate(section)
+        except pydantic.ValidationError as e:
+            raise ConfigError(_format_validation_error(key, e, cls.Config)) from None
+        built.append(cls(cfg))
+    return built

@@ -1,0 +1,246 @@
+"""The hook contracts of zerohooks, one per phase of a ZeRO training step.
+
+Every hook a plugin may register is described here, once, with the moment it fires, what it
+receives and what it may return.  The DeepSpeed adapter (:mod:`zerohooks.adapter`) is the only
+code that fires them; plugins only implement them.
+
+Two kinds of hooks exist:
+
+*transforms* (``prepare_model``, ``micro_step_grad``, ``reduce_dtype``, ``reduce_tensor``,
+``before_step``, ``after_step``) compose: every registered callback runs, in ascending
+``order`` and then by name, each one receiving what the previous one returned;
+
+*owners* (the gradient collective, :class:`GradientReducer`, and the ZeRO-3 NVMe optimizer
+state path, :class:`SwapOwner`) have at most one owner per engine.  Registering a second owner is
+an error that names both.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = [
+    "AfterStepHook",
+    "BeforeStepHook",
+    "GradientReducer",
+    "MicroStepGradHook",
+    "PrepareModelHook",
+    "ReduceBucket",
+    "ReduceDtypeHook",
+    "ReduceTensorHook",
+    "SetupContext",
+    "StateProvider",
+    "StepContext",
+    "SwapOwner",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class SetupContext:
+    """What a plugin knows while the engine is being built."""
+
+    config: dict[str, Any]
+    """The DeepSpeed config as DeepSpeed will see it (plugin sections removed). Do not mutate."""
+    zero_stage: int
+    """ZeRO stage from ``zero_optimization.stage`` (0 when absent)."""
+    train_dtype: torch.dtype
+    """Model dtype DeepSpeed trains in: bfloat16, float16 or float32."""
+    offload_optimizer: str | None
+    """``"cpu"``, ``"nvme"`` or None, from ``zero_optimization.offload_optimizer.device``."""
+    world_size: int
+    """Size of the default process group (1 when torch.distributed is not initialised)."""
+    rank: int
+    """Rank in the default process group."""
+
+
+class StepContext:
+    """Where training is when a step-time hook fires: a live view of the engine's counters."""
+
+    __slots__ = ("engine", "zero_stage")
+
+    def __init__(self, engine: Any, zero_stage: int) -> None:
+        self.engine = engine
+        """The DeepSpeedEngine."""
+        self.zero_stage = zero_stage
+        """ZeRO stage of the engine."""
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far (``engine.global_steps``)."""
+        return int(self.engine.global_steps)
+
+    @property
+    def micro_step(self) -> int:
+        """Backward passes taken so far (``engine.micro_steps``)."""
+        return int(self.engine.micro_steps)
+
+    @property
+    def is_boundary(self) -> bool:
+        """True while the current micro-step ends a gradient-accumulation window."""
+        return bool(self.engine.is_gradient_accumulation_boundary())
+
+
+@dataclasses.dataclass
+class ReduceBucket:
+    """One call of the gradient collective, as handed to :class:`GradientReducer`.
+
+    ``op == "all_reduce"`` (ZeRO 0, 1 and 2): ``tensors`` holds one flat tensor in the
+    communication dtype; on return it must hold, in place, the sum over the group (divided by
+    ``world_size`` when ``average`` is True).  DeepSpeed's ZeRO 2 reduces each slice to the rank
+    that owns it; an owner may all-reduce instead, since every rank then holds what it needs.
+
+    ``op == "reduce_scatter"`` (ZeRO 3): ``tensors`` holds one full gradient per parameter in
+    ``params``; the reducer returns, per tensor, this rank's chunk of the result: elements
+    ``[r*c, min((r+1)*c, numel))`` of the flattened tensor with ``c = ceil(numel / world_size)``.
+    """
+
+    op: Literal["all_reduce", "reduce_scatter"]
+    """Which collective DeepSpeed would have issued."""
+    tensors: list[torch.Tensor]
+    """The tensors to reduce, already in ``dtype``."""
+    params: Sequence[nn.Parameter]
+    """Parameters whose gradients are in the bucket (empty when DeepSpeed does not say)."""
+    dtype: torch.dtype
+    """Communication dtype chosen by DeepSpeed and the ``reduce_dtype`` hooks."""
+    group: Any
+    """The torch.distributed process group to reduce over."""
+    world_size: int
+    """Size of ``group``."""
+    average: bool
+    """Divide the sum by ``world_size`` (False when DeepSpeed already pre-divided the inputs)."""
+
+
+class PrepareModelHook(Protocol):
+    """Transform the model before DeepSpeed wraps it (casts, wrappers, module hooks).
+
+    Fires once, in ``zerohooks.initialize``, before ``deepspeed.initialize``.  Returns the model
+    to hand on (the same object, or a replacement); returning None keeps the model.
+    """
+
+    def __call__(self, model: nn.Module, ctx: SetupContext) -> nn.Module | None: ...
+
+
+class MicroStepGradHook(Protocol):
+    """See a parameter's gradient for one micro-step, before DeepSpeed takes it over.
+
+    Fires once per parameter per backward pass, when autograd has accumulated ``param.grad``
+    and before DeepSpeed buckets, reduces or accumulates it.  A hook may read ``param.grad``,
+    accumulate it elsewhere and set ``param.grad`` to a tensor of the same shape (for example
+    zeros, to take over accumulation).  Returns nothing.
+    """
+
+    def __call__(self, param: nn.Parameter, ctx: StepContext) -> None: ...
+
+
+class ReduceDtypeHook(Protocol):
+    """Choose the dtype a parameter's gradient is reduced in.
+
+    Fires when DeepSpeed asks which communication dtype to use for ``param`` (each micro-step on
+    ZeRO 2/3, at the boundary on ZeRO 1).  Receives DeepSpeed's choice (or the previous hook's)
+    and returns the dtype to use.  ZeRO 0 reduces one dtype for the whole model.
+    """
+
+    def __call__(self, param: nn.Parameter, dtype: torch.dtype) -> torch.dtype: ...
+
+
+class ReduceTensorHook(Protocol):
+    """Choose the tensor reduced for a parameter.
+
+    Fires when DeepSpeed picks the tensor it reduces for ``param`` (ZeRO 1 and 2: the gradient
+    or its accumulation buffer; ZeRO 3: ``param.grad``).  Receives DeepSpeed's choice (or the
+    previous hook's, possibly None when there is no gradient) and returns the tensor to reduce.
+    """
+
+    def __call__(self, param: nn.Parameter, tensor: torch.Tensor | None) -> torch.Tensor | None: ...
+
+
+class BeforeStepHook(Protocol):
+    """Fires at a gradient-accumulation boundary right before the optimizer step.
+
+    Gradients are reduced (and partitioned) at this point; master parameters are not updated yet.
+    """
+
+    def __call__(self, ctx: StepContext) -> None: ...
+
+
+class AfterStepHook(Protocol):
+    """Fires right after the optimizer step, with ``skipped`` True when DeepSpeed skipped it.
+
+    ``ctx.global_step`` already counts this step (DeepSpeed counts skipped steps too).
+
+    A step is skipped on fp16 overflow (the loss scale backs off); state that assumed the step
+    happened (error feedback, accumulation buffers) must be rolled back or rescaled here.
+    """
+
+    def __call__(self, ctx: StepContext, skipped: bool) -> None: ...
+
+
+class StateProvider(Protocol):
+    """Plugin state saved by ``engine.save_checkpoint`` and restored by ``load_checkpoint``.
+
+    Each rank saves its own state (one file per rank in the checkpoint tag folder), so state may
+    be rank-local (error-feedback buffers, partitions of accumulation buffers).
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the state to save; tensors are saved with ``torch.save``."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned on the same rank of an identical run."""
+        ...
+
+
+class GradientReducer(abc.ABC):
+    """Owner of the gradient collective.
+
+    At most one per engine.  Without an owner DeepSpeed's own collectives run unchanged.  The
+    adapter casts to the communication dtype and hands the result back to DeepSpeed; the
+    reducer only moves and averages data.
+    """
+
+    @abc.abstractmethod
+    def reduce(self, bucket: ReduceBucket) -> list[torch.Tensor] | None:
+        """Reduce one bucket (see :class:`ReduceBucket` for the two shapes of call).
+
+        ``all_reduce``: reduce ``bucket.tensors[0]`` in place and return None.
+        ``reduce_scatter``: return this rank's chunk of the result for each tensor.
+        """
+
+
+SwapDefault = Callable[[], None]
+
+
+class SwapOwner:
+    """Owner of the ZeRO-3 NVMe optimizer-state path.  At most one per engine.
+
+    Each method wraps one phase of DeepSpeed's swapper and receives ``default``, a callable that
+    runs DeepSpeed's own code for that phase: call it to keep DeepSpeed's behaviour, or replace
+    it.  Only fires when ``offload_optimizer.device`` is ``"nvme"`` on ZeRO 3.
+    """
+
+    def swap_out_gradients(
+        self,
+        optimizer: Any,
+        sub_group_id: int,
+        offsets: list[int],
+        gradients: list[torch.Tensor],
+        default: SwapDefault,
+    ) -> None:
+        """At the accumulation boundary: the fp32 gradients of a swapped sub-group are ready."""
+        default()
+
+    def swap_in(self, optimizer: Any, sub_group_id: int, default: SwapDefault) -> None:
+        """Before a sub-group's optimizer step: bring its parameters, state and gradients in."""
+        default()
+
+    def swap_out(self, optimizer: Any, sub_group_id: int, default: SwapDefault) -> None:
+        """After a sub-group's optimizer step: write its parameters and state back."""
+        default()

@@ -1,0 +1,53 @@
+"""Base class of zerohooks plugins and of their config sections."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import pydantic
+
+if TYPE_CHECKING:
+    from zerohooks.hookspec import SetupContext
+    from zerohooks.registry import HookRegistry
+
+__all__ = ["PluginConfig", "ZeroPlugin"]
+
+
+class PluginConfig(pydantic.BaseModel):
+    """Base of every plugin's config section: unknown keys are errors, values are frozen."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+
+class ZeroPlugin:
+    """A zerohooks plugin.  Every method is a no-op; subclasses override what they need.
+
+    A plugin is found through the ``zerohooks.plugins`` entry-point group under its ``name``,
+    enabled by a top-level section of that name in the DeepSpeed config, and built from that
+    section validated by ``Config``.
+    """
+
+    name: ClassVar[str] = ""
+    """Config section and entry-point name, e.g. ``"accumdtype"``."""
+    distribution: ClassVar[str] = ""
+    """The pip distribution that provides the plugin, named in error messages."""
+    Config: ClassVar[type[PluginConfig]] = PluginConfig
+    """Pydantic model of the config section."""
+
+    def __init__(self, config: PluginConfig) -> None:
+        self.config = config
+
+    def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
+        """Adjust the DeepSpeed config (already a private copy) before DeepSpeed sees it.
+
+        Raise ``zerohooks.ConfigError`` for settings that conflict with the plugin.
+        """
+
+    def attach(self, registry: HookRegistry, ctx: SetupContext) -> None:
+        """Register hooks.  Called before the model is prepared and DeepSpeed is initialised."""
+
+    def engine_ready(self, engine: Any, registry: HookRegistry) -> None:
+        """The engine exists and the adapter is attached: allocate buffers, read partitions."""
+
+    def close(self) -> None:
+        """The engine is being detached: release resources (files, buffers, threads)."""
