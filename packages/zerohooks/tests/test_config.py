@@ -1,0 +1,126 @@
+"""Config sections: validation, plugin discovery through entry points, clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from zerohooks import ConfigError, PluginConfig, PluginNotInstalledError, ZeroPlugin, available_plugins
+from zerohooks._compat import check_deepspeed_version
+from zerohooks.config import load_config, split_plugin_sections
+from zerohooks.errors import UnsupportedDeepSpeedError
+
+
+class DemoConfig(PluginConfig):
+    """Config of the demo plugin."""
+
+    dtype: str = "fp32"
+    """Accumulation dtype."""
+    bits: int = 4
+    """Bits."""
+
+
+class DemoPlugin(ZeroPlugin):
+    name = "accumdtype"
+    distribution = "zerohooks-accumdtype"
+    Config = DemoConfig
+
+
+def test_plugin_section_is_removed_validated_and_built() -> None:
+    cfg = {"train_batch_size": 8, "accumdtype": {"dtype": "bf16", "bits": 8}}
+    plugins = split_plugin_sections(cfg, {"accumdtype": DemoPlugin})
+    assert cfg == {"train_batch_size": 8}
+    assert len(plugins) == 1 and plugins[0].config == DemoConfig(dtype="bf16", bits=8)
+
+
+def test_disabled_section_is_removed_and_not_built() -> None:
+    cfg = {"accumdtype": {"enabled": False, "dtype": "bf16"}, "loco": False}
+    assert split_plugin_sections(cfg, {"accumdtype": DemoPlugin}) == []
+    assert cfg == {}
+
+
+def test_misspelt_key_names_key_and_accepted_keys() -> None:
+    with pytest.raises(ConfigError) as e:
+        split_plugin_sections({"accumdtype": {"dtpye": "fp32"}}, {"accumdtype": DemoPlugin})
+    msg = str(e.value)
+    assert "accumdtype.dtpye" in msg and "did you mean 'dtype'" in msg and "accepted keys: dtype, bits" in msg
+
+
+def test_bad_value_names_key_and_value() -> None:
+    with pytest.raises(ConfigError, match=r"accumdtype\.bits.*got 'four'"):
+        split_plugin_sections({"accumdtype": {"bits": "four"}}, {"accumdtype": DemoPlugin})
+
+
+def test_missing_plugin_names_the_distribution() -> None:
+    with pytest.raises(PluginNotInstalledError, match="pip install zerohooks-loco"):
+        split_plugin_sections({"loco": {"bits": 4}}, {})
+
+
+def test_section_must_be_an_object() -> None:
+    with pytest.raises(ConfigError, match='"accumdtype" section must be a JSON object'):
+        split_plugin_sections({"accumdtype": [1, 2]}, {"accumdtype": DemoPlugin})
+
+
+def test_config_file_errors(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "nope.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(bad)
+    good = tmp_path / "good.json"
+    good.write_text('{"train_batch_size": 2}')
+    assert load_config(good) == {"train_batch_size": 2}
+
+
+def test_unsupported_deepspeed_versions() -> None:
+    check_deepspeed_version("0.19.8")
+    check_deepspeed_version("0.19.9.dev0+abc")
+    for bad in ("0.18.9", "0.20.0", "1.0.0"):
+        with pytest.raises(UnsupportedDeepSpeedError, match=rf"DeepSpeed {bad} is installed.*>=0\.19\.0"):
+            check_deepspeed_version(bad)
+
+
+def test_import_refuses_unsupported_deepspeed() -> None:
+    """The real import path: DeepSpeed reporting an unsupported version makes ``import zerohooks`` fail."""
+    code = "import deepspeed; deepspeed.__version__ = '0.16.4'; import zerohooks"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "UnsupportedDeepSpeedError" in r.stderr and "DeepSpeed 0.16.4 is installed" in r.stderr
+
+
+def test_entry_point_discovery(tmp_path) -> None:
+    """A distribution registering a plugin under ``zerohooks.plugins`` is found and enabled by its section."""
+    pkg = tmp_path / "zh_fake_plugin.py"
+    pkg.write_text(textwrap.dedent('''
+        from zerohooks import PluginConfig, ZeroPlugin
+        class Cfg(PluginConfig):
+            level: int = 1
+        class Fake(ZeroPlugin):
+            name = "fakeplug"
+            distribution = "zh-fake"
+            Config = Cfg
+    '''))
+    dist = tmp_path / "zh_fake-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: zh-fake\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[zerohooks.plugins]\nfakeplug = zh_fake_plugin:Fake\n")
+    code = textwrap.dedent(f'''
+        import sys; sys.path.insert(0, {str(tmp_path)!r})
+        from zerohooks.config import available_plugins, split_plugin_sections
+        found = available_plugins(refresh=True)
+        cfg = {{"fakeplug": {{"level": 3}}, "train_batch_size": 2}}
+        (p,) = split_plugin_sections(cfg)
+        print("fakeplug" in found, type(p).__name__, p.config.level, cfg)
+    ''')
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "True Fake 3 {'train_batch_size': 2}" in r.stdout.strip().splitlines()[-1]
+
+
+def test_installed_plugins_are_zero_plugins() -> None:
+    for name, cls in available_plugins(refresh=True).items():
+        assert issubclass(cls, ZeroPlugin) and cls.name == name
