@@ -31,7 +31,9 @@ def make_model(seed: int = 0) -> nn.Module:
     return TinyNet()
 
 
-def ds_config(stage: int, dtype: str = "fp32", offload: bool = False, gas: int = 2, **extra: Any) -> dict[str, Any]:
+def ds_config(
+    stage: int, dtype: str = "fp32", offload: bool = False, gas: int = 2, **extra: Any
+) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": gas,

@@ -9,6 +9,7 @@ import time
 import deepspeed
 import pytest
 import torch
+from _common import ds_config, full_params, make_model, train
 
 import zerohooks
 from zerohooks import ConfigError, DeepSpeedInternalMissing
@@ -17,8 +18,6 @@ from zerohooks.initialize import setup_context
 from zerohooks.registry import HookRegistry
 from zerohooks.testing import MultiRankError, distributed, run_distributed
 from zerohooks.testing.recording import RecordingPlugin
-
-from _common import ds_config, full_params, make_model, train
 
 
 def _snapshot(obj) -> dict:
@@ -50,7 +49,10 @@ def test_detach_restores_the_engine() -> None:
         model2 = make_model()
         ref, *_ = deepspeed.initialize(model=model2, model_parameters=model2.parameters(), config=cfg)
         assert losses == train(ref, 2, 2), stage
-        assert all(torch.equal(a, b) for a, b in zip(full_params(engine, stage), full_params(ref, stage)))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(full_params(engine, stage), full_params(ref, stage), strict=True)
+        )
 
 
 @pytest.mark.multirank
@@ -62,7 +64,9 @@ def test_missing_deepspeed_internal_is_named() -> None:
     del DeepSpeedZeroOptimizer.allreduce_bucket  # as if a DeepSpeed release renamed it
     try:
         model = make_model()
-        with pytest.raises(DeepSpeedInternalMissing, match=r"DeepSpeedZeroOptimizer\.allreduce_bucket.*DeepSpeed 0\.19"):
+        with pytest.raises(
+            DeepSpeedInternalMissing, match=r"DeepSpeedZeroOptimizer\.allreduce_bucket.*DeepSpeed 0\.19"
+        ):
             zerohooks.initialize(model=model, model_parameters=model.parameters(), config=ds_config(2))
     finally:
         DeepSpeedZeroOptimizer.allreduce_bucket = saved
@@ -74,8 +78,12 @@ def test_fp16_overflow_reaches_after_step_as_skipped() -> None:
     for stage in (0, 2, 3):
         plugin = RecordingPlugin()
         model = make_model()
-        engine, *_ = zerohooks.initialize(model=model, model_parameters=model.parameters(),
-                                          config=ds_config(stage, "fp16", gas=1), plugins=[plugin])
+        engine, *_ = zerohooks.initialize(
+            model=model,
+            model_parameters=model.parameters(),
+            config=ds_config(stage, "fp16", gas=1),
+            plugins=[plugin],
+        )
         rank = int(os.environ["RANK"])
         for step in range(3):
             tokens = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(step + rank))

@@ -7,11 +7,10 @@ import itertools
 import deepspeed
 import pytest
 import torch
+from _common import ds_config, full_params, make_model, train
 
 import zerohooks
 from zerohooks.testing import distributed
-
-from _common import ds_config, full_params, make_model, train
 
 CASES = [
     (stage, dtype, offload)
@@ -22,7 +21,9 @@ CASES = [
 
 def _run(init, stage: int, dtype: str, offload: bool) -> tuple[list[float], list[torch.Tensor], dict]:
     model = make_model()
-    engine, *_ = init(model=model, model_parameters=model.parameters(), config=ds_config(stage, dtype, offload))
+    engine, *_ = init(
+        model=model, model_parameters=model.parameters(), config=ds_config(stage, dtype, offload)
+    )
     losses = train(engine, steps=3, gas=2)
     att = zerohooks.attachment(engine)
     counted = att.counters.total() if att else {}
@@ -39,7 +40,9 @@ def test_no_plugins_is_bit_identical_to_deepspeed() -> None:
         case = f"stage={stage} dtype={dtype} offload={offload}"
         if losses != ref_losses:
             failures.append(f"{case}: losses differ {losses} vs {ref_losses}")
-        if len(params) != len(ref_params) or not all(torch.equal(a, b) for a, b in zip(params, ref_params)):
+        if len(params) != len(ref_params) or not all(
+            torch.equal(a, b) for a, b in zip(params, ref_params, strict=True)
+        ):
             failures.append(f"{case}: parameters differ")
         if not counted:
             failures.append(f"{case}: no collective bytes were counted")

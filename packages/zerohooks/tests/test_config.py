@@ -95,7 +95,8 @@ def test_import_refuses_unsupported_deepspeed() -> None:
 def test_entry_point_discovery(tmp_path) -> None:
     """A distribution registering a plugin under ``zerohooks.plugins`` is found and enabled by its section."""
     pkg = tmp_path / "zh_fake_plugin.py"
-    pkg.write_text(textwrap.dedent('''
+    pkg.write_text(
+        textwrap.dedent("""
         from zerohooks import PluginConfig, ZeroPlugin
         class Cfg(PluginConfig):
             level: int = 1
@@ -103,19 +104,20 @@ def test_entry_point_discovery(tmp_path) -> None:
             name = "fakeplug"
             distribution = "zh-fake"
             Config = Cfg
-    '''))
+    """)
+    )
     dist = tmp_path / "zh_fake-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: zh-fake\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text("[zerohooks.plugins]\nfakeplug = zh_fake_plugin:Fake\n")
-    code = textwrap.dedent(f'''
+    code = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(tmp_path)!r})
         from zerohooks.config import available_plugins, split_plugin_sections
         found = available_plugins(refresh=True)
         cfg = {{"fakeplug": {{"level": 3}}, "train_batch_size": 2}}
         (p,) = split_plugin_sections(cfg)
         print("fakeplug" in found, type(p).__name__, p.config.level, cfg)
-    ''')
+    """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "True Fake 3 {'train_batch_size': 2}" in r.stdout.strip().splitlines()[-1]

@@ -7,12 +7,11 @@ import os
 import deepspeed
 import pytest
 import torch
+from _common import batch, ds_config, full_params, loss_fn, make_model, train
 
 import zerohooks
 from zerohooks.testing import distributed
 from zerohooks.testing.recording import RecordingPlugin
-
-from _common import batch, ds_config, full_params, loss_fn, make_model, train
 
 STEPS, GAS = 2, 2
 
@@ -45,14 +44,17 @@ def _check_run(stage: int, dtype: str, tmp: str) -> None:
     # prepare_model: once, first, on the unwrapped fp32 model; then the engine exists.
     assert ev[0].phase == "prepare_model", case
     ready = ev.index(plugin.phases("engine_ready")[0])
-    assert all(e.phase in ("prepare_model", "engine_ready", "reduce_dtype") for e in ev[:ready + 1]), case
+    assert all(e.phase in ("prepare_model", "engine_ready", "reduce_dtype") for e in ev[: ready + 1]), case
     assert ev[0].data["model_type"] == "TinyNet" and ev[0].data["dtypes"] == ["torch.float32"], case
     assert plugin.phases("prepare_model") == [ev[0]]
 
     # before/after step: once per optimizer step, at the boundary, in that order, not skipped.
     steps = [(e.phase, e.global_step) for e in ev if e.phase in ("before_step", "after_step")]
     # after_step sees the step counted: global_step has moved on by one.
-    assert steps == [x for s in range(STEPS) for x in (("before_step", s), ("after_step", s + 1))], (case, steps)
+    assert steps == [x for s in range(STEPS) for x in (("before_step", s), ("after_step", s + 1))], (
+        case,
+        steps,
+    )
     assert all(e.data["is_boundary"] for e in plugin.phases("before_step")), case
     assert not any(e.data["skipped"] for e in plugin.phases("after_step")), case
 
@@ -75,7 +77,9 @@ def _check_run(stage: int, dtype: str, tmp: str) -> None:
             want = oracle[m][e.data["name"]] + (oracle[0][e.data["name"]] if (m and stage <= 1) else 0)
             got32 = got.float().reshape(want.shape)
             if dtype == "fp32":
-                torch.testing.assert_close(got32, want, rtol=1e-5, atol=1e-7, msg=f"{case} m={m} {e.data['name']}")
+                torch.testing.assert_close(
+                    got32, want, rtol=1e-5, atol=1e-7, msg=f"{case} m={m} {e.data['name']}"
+                )
             else:  # bf16 forward and backward: compare the whole tensor, a few bf16 ulps (2**-8) of error
                 rel = float((got32 - want).norm() / want.norm())
                 assert rel < 2e-2, (case, m, e.data["name"], rel)
@@ -99,12 +103,13 @@ def _check_run(stage: int, dtype: str, tmp: str) -> None:
 
     # the plugin's exact reduction trains like DeepSpeed's own collectives.
     ref_model = make_model()
-    ref, *_ = deepspeed.initialize(model=ref_model, model_parameters=ref_model.parameters(),
-                                   config=ds_config(stage, dtype))
+    ref, *_ = deepspeed.initialize(
+        model=ref_model, model_parameters=ref_model.parameters(), config=ds_config(stage, dtype)
+    )
     ref_losses = train(ref, STEPS, GAS)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == "fp32" else dict(rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **tol)
-    for a, b in zip(full_params(engine, stage), full_params(ref, stage)):
+    for a, b in zip(full_params(engine, stage), full_params(ref, stage), strict=True):
         torch.testing.assert_close(a.float(), b.float(), **tol)
 
     # plugin state goes into the checkpoint and comes back on load, per rank.
@@ -120,7 +125,7 @@ def _check_run(stage: int, dtype: str, tmp: str) -> None:
     assert plugin2.loaded_state is not None
     assert plugin2.loaded_state["events"] == saved["events"]
     assert torch.equal(plugin2.loaded_state["marker"], saved["marker"])
-    for a, b in zip(full_params(engine2, stage), full_params(engine, stage)):
+    for a, b in zip(full_params(engine2, stage), full_params(engine, stage), strict=True):
         assert torch.equal(a, b), case
 
 

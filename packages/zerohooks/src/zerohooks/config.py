@@ -40,9 +40,13 @@ def available_plugins(refresh: bool = False) -> dict[str, type[ZeroPlugin]]:
         for ep in entry_points(group=ENTRY_POINT_GROUP):
             cls = ep.load()
             if not (isinstance(cls, type) and issubclass(cls, ZeroPlugin)):
-                raise TypeError(f"entry point {ep.name!r} = {ep.value!r} is not a zerohooks.ZeroPlugin subclass")
+                raise TypeError(
+                    f"entry point {ep.name!r} = {ep.value!r} is not a zerohooks.ZeroPlugin subclass"
+                )
             if cls.name != ep.name:
-                raise TypeError(f"entry point {ep.name!r} loads plugin class named {cls.name!r}; they must match")
+                raise TypeError(
+                    f"entry point {ep.name!r} loads plugin class named {cls.name!r}; they must match"
+                )
             found[ep.name] = cls
         _cache = found
     return dict(_cache)
@@ -64,12 +68,16 @@ def load_config(config: Any) -> dict[str, Any]:
         except json.JSONDecodeError as e:
             raise ConfigError(f"DeepSpeed config file {path!r} is not valid JSON: {e}") from None
         if not isinstance(data, dict):
-            raise ConfigError(f"DeepSpeed config file {path!r} must hold a JSON object, not {type(data).__name__}")
+            raise ConfigError(
+                f"DeepSpeed config file {path!r} must hold a JSON object, not {type(data).__name__}"
+            )
         return data
     raise ConfigError(f"config must be a dict or a path to a JSON file, not {type(config).__name__}")
 
 
-def _format_validation_error(section: str, err: pydantic.ValidationError, model: type[pydantic.BaseModel]) -> str:
+def _format_validation_error(
+    section: str, err: pydantic.ValidationError, model: type[pydantic.BaseModel]
+) -> str:
     lines = [f'invalid "{section}" section in the DeepSpeed config:']
     fields = list(model.model_fields)
     for e in err.errors():
@@ -109,7 +117,9 @@ def split_plugin_sections(
         if section is True:
             section = {}
         if not isinstance(section, dict):
-            raise ConfigError(f'"{key}" section must be a JSON object (or true/false), not {type(section).__name__}')
+            raise ConfigError(
+                f'"{key}" section must be a JSON object (or true/false), not {type(section).__name__}'
+            )
         section = {k: v for k, v in section.items() if k != "enabled"}
         try:
             cfg = cls.Config.model_validate(section)

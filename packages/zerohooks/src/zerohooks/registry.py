@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
@@ -143,16 +143,15 @@ class HookRegistry:
         self._sealed = False
 
     # -- registration -------------------------------------------------------------------------
-    def _check_open(self, hook: str) -> None:
-        if self._sealed and hook in ("prepare_model",):
-            raise RuntimeError(f"{hook} hooks must be registered before zerohooks.initialize builds the engine")
-
     def register_prepare_model(self, fn: PrepareModelHook, *, name: str, order: int = 0) -> RemovableHandle:
         """Register a :class:`~zerohooks.hookspec.PrepareModelHook`."""
-        self._check_open("prepare_model")
+        if self._sealed:
+            raise RuntimeError("prepare_model hooks must be registered before the engine is built")
         return self.prepare_model.add(fn, order, name)
 
-    def register_micro_step_grad(self, fn: MicroStepGradHook, *, name: str, order: int = 0) -> RemovableHandle:
+    def register_micro_step_grad(
+        self, fn: MicroStepGradHook, *, name: str, order: int = 0
+    ) -> RemovableHandle:
         """Register a :class:`~zerohooks.hookspec.MicroStepGradHook`."""
         return self.micro_step_grad.add(fn, order, name)
 
@@ -197,6 +196,16 @@ class HookRegistry:
         """Mark the registry as attached to an engine (model preparation is over)."""
         self._sealed = True
 
+    def _transforms(self) -> tuple[_HookList[Any], ...]:
+        return (
+            self.prepare_model,
+            self.micro_step_grad,
+            self.reduce_dtype,
+            self.reduce_tensor,
+            self.before_step,
+            self.after_step,
+        )
+
     def run_prepare_model(self, model: Any, ctx: Any) -> Any:
         """Apply the ``prepare_model`` transforms in order."""
         for fn in self.prepare_model.frozen:
@@ -207,27 +216,8 @@ class HookRegistry:
 
     def summary(self) -> dict[str, list[str]]:
         """Names registered per hook, in firing order (for logs and tests)."""
-        out: dict[str, list[str]] = {}
-        for hl in (
-            self.prepare_model,
-            self.micro_step_grad,
-            self.reduce_dtype,
-            self.reduce_tensor,
-            self.before_step,
-            self.after_step,
-        ):
-            out[hl.hook] = hl.names()
+        out = {hl.hook: hl.names() for hl in self._transforms()}
         out["reducer"] = [self.reducer.name] if self.reducer.name else []
         out["swapper"] = [self.swapper.name] if self.swapper.name else []
         out["state"] = sorted(self.states)
         return out
-
-    def iter_hooklists(self) -> Iterator[_HookList[Any]]:
-        yield from (
-            self.prepare_model,
-            self.micro_step_grad,
-            self.reduce_dtype,
-            self.reduce_tensor,
-            self.before_step,
-            self.after_step,
-        )

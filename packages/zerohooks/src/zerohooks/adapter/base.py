@@ -99,7 +99,7 @@ class Attachment:
         world = torch.distributed.get_world_size(group=group)
         reducer.reduce(ReduceBucket("all_reduce", [flat], list(params), flat.dtype, group, world, average))
 
-    def check_default_averaging(self, predivide: float, postscale: bool) -> None:
+    def check_default_averaging(self, predivide: float) -> None:
         """An owner of the collective supports DeepSpeed's default averaging only."""
         if self.registry.reducer.owner is not None and predivide != 1.0:
             raise ConfigError(

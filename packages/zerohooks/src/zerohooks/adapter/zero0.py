@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from zerohooks.adapter.base import Attachment
 
@@ -22,11 +21,11 @@ def install(att: Attachment) -> None:
         for p in params:
             att.keep_handle(p.register_post_accumulate_grad_hook(att.fire_micro_step_grad))
 
-    att.check_default_averaging(float(engine.gradient_predivide_factor()), bool(engine.postscale_gradients()))
+    att.check_default_averaging(float(engine.gradient_predivide_factor()))
     hooked = bool(reg.reducer.owner or reg.reduce_dtype.frozen or reg.reduce_tensor.frozen)
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        def allreduce_bucket(bucket: list[torch.Tensor], dp_group: Any, dp_world_size: Any = None) -> torch.Tensor:
+        def allreduce_bucket(bucket: list[torch.Tensor], dp_group: Any, dp_world_size: Any = None) -> Any:
             default = engine.communication_data_type
             if not hooked:
                 counters.add("all_reduce", default, sum(t.numel() for t in bucket) * default.itemsize)
@@ -42,7 +41,7 @@ def install(att: Attachment) -> None:
             world = dist.get_world_size(group=dp_group) if dp_world_size is None else dp_world_size
             for dtype, items in groups.items():
                 tensors = [t for t, _ in items]
-                flat = _flatten_dense_tensors(tensors).to(dtype)
+                flat = torch.cat([t.reshape(-1) for t in tensors]).to(dtype)
                 counters.add("all_reduce", dtype, flat.numel() * dtype.itemsize)
                 if reg.reducer.owner is not None:
                     att.owner_all_reduce(flat, dp_group, engine.gradient_average, [p for _, p in items])
@@ -50,9 +49,9 @@ def install(att: Attachment) -> None:
                     dist.all_reduce(flat, group=dp_group)
                     if engine.gradient_average:
                         flat.div_(world)
-                for t, r in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
-                    t.copy_(r)
-            return _flatten_dense_tensors(bucket)
+                for t, r in zip(tensors, torch.split(flat, [t.numel() for t in tensors]), strict=True):
+                    t.copy_(r.view_as(t))
+            return engine.flatten(bucket)
 
         return allreduce_bucket
 

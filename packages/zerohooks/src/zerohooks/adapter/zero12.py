@@ -30,7 +30,7 @@ def install(att: Attachment) -> None:
     opt = att.engine.optimizer
     reg = att.registry
     counters = att.counters
-    att.check_default_averaging(float(opt.gradient_predivide_factor), bool(opt.postscale_gradients))
+    att.check_default_averaging(float(opt.gradient_predivide_factor))
 
     if reg.micro_step_grad.frozen:
 
@@ -80,10 +80,13 @@ def install(att: Attachment) -> None:
             log: Any = None,
             divide: bool = True,
             process_group: Any = None,
-        ) -> torch.Tensor:
+        ) -> Any:
             numel = sum(t.numel() for t in bucket)
-            counters.add("all_reduce" if rank is None else "reduce", communication_data_type,
-                         numel * communication_data_type.itemsize)
+            counters.add(
+                "all_reduce" if rank is None else "reduce",
+                communication_data_type,
+                numel * communication_data_type.itemsize,
+            )
             if not owner:
                 return original(bucket, communication_data_type, rank, log, divide, process_group)
             group = opt.dp_process_group if process_group is None else process_group
@@ -101,7 +104,9 @@ def install(att: Attachment) -> None:
     def make_predivide(original: Callable[..., Any]) -> Callable[..., Any]:
         # Used instead of the above when zero_optimization.reduce_scatter is false.
         def gradient_reduction_w_predivide(tensor: torch.Tensor, communication_data_type: torch.dtype) -> Any:
-            counters.add("all_reduce", communication_data_type, tensor.numel() * communication_data_type.itemsize)
+            counters.add(
+                "all_reduce", communication_data_type, tensor.numel() * communication_data_type.itemsize
+            )
             if not owner or tensor.numel() == 0:
                 return original(tensor, communication_data_type)
             flat = tensor if tensor.dtype == communication_data_type else tensor.to(communication_data_type)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -68,13 +69,16 @@ def _install_collectives(att: Attachment, opt: Any) -> None:
             "zero_optimization.reduce_scatter=false is not supported with plugins that own or replace the "
             "reduced gradient tensor; remove reduce_scatter (default true)"
         )
-    att.check_default_averaging(float(opt.gradient_predivide_factor), bool(opt.postscale_gradients))
+    att.check_default_averaging(float(opt.gradient_predivide_factor))
     from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced
 
     def make_scatter(original: Callable[..., Any]) -> Callable[..., Any]:
-        def avg_scatter_grads(params: list[Any], communication_data_type: torch.dtype) -> list[torch.Tensor]:
-            counters.add("reduce_scatter", communication_data_type,
-                         sum(p.grad.numel() for p in params) * communication_data_type.itemsize)
+        def avg_scatter_grads(params: list[Any], communication_data_type: torch.dtype) -> Any:
+            counters.add(
+                "reduce_scatter",
+                communication_data_type,
+                sum(p.grad.numel() for p in params) * communication_data_type.itemsize,
+            )
             if not hooked:
                 return original(params, communication_data_type)
             group = opt._get_param_partition_group(params[0])
@@ -83,13 +87,19 @@ def _install_collectives(att: Attachment, opt: Any) -> None:
             for p in params:
                 t = att.reduce_tensor(p, p.grad)
                 if t is None:
-                    raise RuntimeError(f"a reduce_tensor hook returned None for a ZeRO-3 parameter (ds_id {p.ds_id})")
+                    raise RuntimeError(
+                        f"a reduce_tensor hook returned None for a ZeRO-3 parameter (ds_id {p.ds_id})"
+                    )
                 tensors.append(t if t.dtype == communication_data_type else t.to(communication_data_type))
             if owner:
-                bucket = ReduceBucket("reduce_scatter", tensors, params, communication_data_type, group, world, True)
+                bucket = ReduceBucket(
+                    "reduce_scatter", tensors, params, communication_data_type, group, world, True
+                )
                 parts = reg.reducer.owner.reduce(bucket)  # type: ignore[union-attr]
                 if parts is None or len(parts) != len(tensors):
-                    raise RuntimeError(f"{reg.reducer.name!r} must return one partition per tensor for reduce_scatter")
+                    raise RuntimeError(
+                        f"{reg.reducer.name!r} must return one partition per tensor for reduce_scatter"
+                    )
             else:
                 parts = reduce_scatter_coalesced(tensors, group)
             averaging = opt._gradient_averaging_world_size(params, world)
@@ -104,7 +114,9 @@ def _install_collectives(att: Attachment, opt: Any) -> None:
 
     def make_contiguous(original: Callable[..., Any]) -> Callable[..., Any]:
         def avg_scatter_contiguous_grads(buffer: torch.Tensor, communication_data_type: torch.dtype) -> Any:
-            counters.add("all_reduce", communication_data_type, buffer.numel() * communication_data_type.itemsize)
+            counters.add(
+                "all_reduce", communication_data_type, buffer.numel() * communication_data_type.itemsize
+            )
             return original(buffer, communication_data_type)
 
         return avg_scatter_contiguous_grads
@@ -126,7 +138,7 @@ def _install_swap(att: Attachment, opt: Any) -> None:
         def swap_out_gradients(grads: dict[int, list[torch.Tensor]], offsets: dict[int, list[int]]) -> None:
             for i in list(grads):
                 g, o = grads[i], offsets[i]
-                swapper.swap_out_gradients(opt, i, o, g, lambda i=i, g=g, o=o: original({i: g}, {i: o}))
+                swapper.swap_out_gradients(opt, i, o, g, functools.partial(original, {i: g}, {i: o}))
 
         return swap_out_gradients
 

@@ -92,12 +92,22 @@ def prebuild_deepspeed_ops() -> None:
 
 
 def _worker(
-    target: Any, rank: int, world_size: int, port: int, args: tuple[Any, ...], kwargs: dict[str, Any],
-    results: Any, fp16: bool,
+    target: Any,
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    results: Any,
+    fp16: bool,
 ) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
     )
     try:
         import torch
@@ -189,7 +199,9 @@ def run_distributed(
     return [done[r] for r in range(world_size)]
 
 
-def distributed(world_size: int = 2, *, timeout: float = DEFAULT_TIMEOUT, fp16_on_cpu: bool = False) -> Callable[[F], F]:
+def distributed(
+    world_size: int = 2, *, timeout: float = DEFAULT_TIMEOUT, fp16_on_cpu: bool = False
+) -> Callable[[F], F]:
     """Run the decorated module-level test on ``world_size`` ranks (arguments pass through).
 
     The test passes when every rank returns; a rank's assertion fails the test with its traceback.
@@ -199,8 +211,12 @@ def distributed(world_size: int = 2, *, timeout: float = DEFAULT_TIMEOUT, fp16_o
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> None:
             run_distributed(
-                (fn.__module__, fn.__qualname__), world_size, args=args, kwargs=kwargs,
-                timeout=timeout, fp16_on_cpu=fp16_on_cpu,
+                (fn.__module__, fn.__qualname__),
+                world_size,
+                args=args,
+                kwargs=kwargs,
+                timeout=timeout,
+                fp16_on_cpu=fp16_on_cpu,
             )
 
         return wrapper  # type: ignore[return-value]

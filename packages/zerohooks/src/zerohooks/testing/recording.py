@@ -45,8 +45,15 @@ class _RecordingReducer(GradientReducer):
         self.plugin = plugin
 
     def reduce(self, bucket: ReduceBucket) -> list[torch.Tensor] | None:
-        self.plugin._record("reduce", None, op=bucket.op, dtype=bucket.dtype, average=bucket.average,
-                            numel=sum(t.numel() for t in bucket.tensors), nparams=len(bucket.params))
+        self.plugin._record(
+            "reduce",
+            None,
+            op=bucket.op,
+            dtype=bucket.dtype,
+            average=bucket.average,
+            numel=sum(t.numel() for t in bucket.tensors),
+            nparams=len(bucket.params),
+        )
         if bucket.op == "all_reduce":
             (flat,) = bucket.tensors
             dist.all_reduce(flat, group=bucket.group)
@@ -101,8 +108,12 @@ class RecordingPlugin(ZeroPlugin):
 
     def _prepare(self, model: nn.Module, ctx: SetupContext) -> None:
         self.param_names = {id(p): n for n, p in model.named_parameters()}
-        self._record("prepare_model", None, model_type=type(model).__name__,
-                     dtypes=sorted({str(p.dtype) for p in model.parameters()}))
+        self._record(
+            "prepare_model",
+            None,
+            model_type=type(model).__name__,
+            dtypes=sorted({str(p.dtype) for p in model.parameters()}),
+        )
 
     def _micro(self, param: nn.Parameter, ctx: StepContext) -> None:
         grad = param.grad
@@ -114,8 +125,12 @@ class RecordingPlugin(ZeroPlugin):
         return dtype
 
     def _tensor(self, param: nn.Parameter, tensor: torch.Tensor | None) -> torch.Tensor | None:
-        self._record("reduce_tensor", None, name=self.param_names.get(id(param)),
-                     numel=None if tensor is None else tensor.numel())
+        self._record(
+            "reduce_tensor",
+            None,
+            name=self.param_names.get(id(param)),
+            numel=None if tensor is None else tensor.numel(),
+        )
         return tensor
 
     def _before(self, ctx: StepContext) -> None:
@@ -129,7 +144,10 @@ class RecordingPlugin(ZeroPlugin):
         return [e for e in self.events if e.phase == phase]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"events": len(self.events), "marker": torch.arange(4, dtype=torch.float32) * (1 + len(self.events))}
+        return {
+            "events": len(self.events),
+            "marker": torch.arange(4, dtype=torch.float32) * (1 + len(self.events)),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loaded_state = state

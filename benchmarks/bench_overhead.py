@@ -1,0 +1,141 @@
+"""Registry overhead: step time of raw DeepSpeed vs zerohooks without plugins vs zerohooks with a
+plugin registered on every transform hook (no owner: DeepSpeed's collectives run), on 2 gloo
+ranks, ZeRO 0-3, bf16.  The three engines live side by side and are timed in interleaved rounds,
+so machine noise hits them alike.
+
+    python benchmarks/bench_overhead.py [--steps 8] [--rounds 5] [--stages 0 1 2 3]
+
+Writes benchmarks/out/overhead.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+OUT = Path(__file__).resolve().parent / "out"
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+def make_model(d: int, layers: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block(d) for _ in range(layers)], nn.LayerNorm(d), nn.Linear(d, 16))
+
+
+def _config(stage: int) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 2,
+        "steps_per_print": 10**9,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+    }
+
+
+def _all_hooks_plugin() -> Any:
+    from zerohooks import ZeroPlugin
+
+    class AllHooks(ZeroPlugin):
+        """Registers a pass-through callback on every transform hook."""
+
+        name = "allhooks"
+
+        def attach(self, registry: Any, ctx: Any) -> None:
+            registry.register_micro_step_grad(lambda p, c: None, name=self.name)
+            registry.register_reduce_dtype(lambda p, d: d, name=self.name)
+            registry.register_reduce_tensor(lambda p, t: t, name=self.name)
+            registry.register_before_step(lambda c: None, name=self.name)
+            registry.register_after_step(lambda c, s: None, name=self.name)
+
+    return AllHooks(AllHooks.Config())
+
+
+def _rank_main(stages: list[int], steps: int, rounds: int, d: int, layers: int) -> dict[str, Any]:
+    import deepspeed
+
+    import zerohooks
+
+    rank = int(os.environ["RANK"])
+    results: dict[str, Any] = {}
+    for stage in stages:
+        engines = {}
+        for variant in ("deepspeed", "zerohooks", "zerohooks+all-hooks"):
+            model = make_model(d, layers)
+            kw = {"model": model, "model_parameters": model.parameters(), "config": _config(stage)}
+            if variant == "deepspeed":
+                engines[variant] = deepspeed.initialize(**kw)[0]
+            elif variant == "zerohooks":
+                engines[variant] = zerohooks.initialize(**kw)[0]
+            else:
+                engines[variant] = zerohooks.initialize(**kw, plugins=[_all_hooks_plugin()])[0]
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(8, 16, d, generator=gen).to(torch.bfloat16)
+        times: dict[str, list[float]] = {v: [] for v in engines}
+        for r in range(rounds + 1):  # round 0 warms up
+            for v, eng in engines.items():
+                torch.distributed.barrier()
+                t0 = time.perf_counter()
+                for _ in range(steps * 2):  # 2 micro-steps per optimizer step
+                    loss = eng(x).float().pow(2).mean()
+                    eng.backward(loss)
+                    eng.step()
+                torch.distributed.barrier()
+                if r:
+                    times[v].append((time.perf_counter() - t0) / steps)
+        results[str(stage)] = {v: statistics.median(t) for v, t in times.items()}
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    ap.add_argument("--width", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    args = ap.parse_args()
+    from zerohooks.testing import run_distributed
+
+    n_params = sum(p.numel() for p in make_model(args.width, args.layers).parameters())
+    print(f"model: {n_params / 1e6:.2f} M params; 2 gloo ranks; bf16; GAS 2", flush=True)
+    res = run_distributed(
+        _rank_main, 2, args=(args.stages, args.steps, args.rounds, args.width, args.layers), timeout=3600
+    )[0]
+    OUT.mkdir(exist_ok=True)
+    payload = {"params": n_params, "args": vars(args), "step_time_s": res, "machine": os.uname().nodename}
+    (OUT / "overhead.json").write_text(json.dumps(payload, indent=2))
+    print(
+        "\n| ZeRO stage | DeepSpeed step (ms) | zerohooks, no plugin | ratio | zerohooks + every hook | ratio |"
+    )
+    print("|---|---|---|---|---|---|")
+    for stage, t in res.items():
+        base = t["deepspeed"]
+        print(
+            f"| {stage} | {base * 1e3:.1f} | {t['zerohooks'] * 1e3:.1f} | {t['zerohooks'] / base:.3f} "
+            f"| {t['zerohooks+all-hooks'] * 1e3:.1f} | {t['zerohooks+all-hooks'] / base:.3f} |"
+        )
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

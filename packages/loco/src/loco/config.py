@@ -1,0 +1,63 @@
+"""The ``"loco"`` section of the DeepSpeed config."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pydantic
+
+from zerohooks import PluginConfig
+
+__all__ = ["LocoConfig"]
+
+
+class LocoConfig(PluginConfig):
+    """LoCo settings.  Every field is optional; ``"loco": {}`` (or ``true``) takes the defaults."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    bits: Literal[4, 8] = 4
+    """Bits per transmitted gradient element: symmetric integer codes in [-7, 7] (4) or
+    [-127, 127] (8), one fp32 scale per group."""
+
+    err_beta: float = pydantic.Field(default=0.8, ge=0.0, le=1.0)
+    """Error-feedback decay: ``e <- err_beta * e + (1 - err_beta) * (x - deQ(Q(x)))`` with
+    ``x = g + e``.  0 is classic error feedback; 1 keeps ``e`` at zero (no compensation)."""
+
+    reset_T: int = pydantic.Field(default=1024, ge=0)
+    """Clear every error buffer after each optimizer step whose number (``engine.global_steps``
+    after the step, skipped fp16 steps included) is a multiple of ``reset_T``; 0 never clears."""
+
+    group_size: Literal[64, 128, 256, 512, 1024] = 128
+    """Elements per quantization group (one fp32 scale each), for gradients and int8 errors."""
+
+    error_dtype: Literal["int8", "bf16", "fp32"] = "int8"
+    """Storage of the error buffers: int8 codes with one fp32 scale per group (about 1 byte per
+    element), bf16 (2 bytes) or fp32 (4 bytes, exact)."""
+
+    exact_below: int | None = pydantic.Field(default=None, ge=0)
+    """Tensors (ZeRO 3: per parameter; ZeRO 1/2: per bucket call) with fewer elements than this
+    are reduced exactly in the communication dtype.  None: ``world_size * group_size``, below
+    which one rank's chunk is smaller than one group and 4-bit codes would save nothing."""
+
+    error_feedback: bool = True
+    """False: plain 4-bit quantization without error buffers (no memory, no compensation), for
+    comparison."""
+
+    hierarchy: Literal["auto", "flat", "two_level"] = "auto"
+    """``flat``: one all-to-all over all ranks.  ``two_level``: intra-node all-to-all, then a
+    dequantize-reduce-requantize step with its own error buffer and an inter-node all-to-all.
+    ``auto``: two-level when there is more than one node."""
+
+    node_size: int | None = pydantic.Field(default=None, ge=1)
+    """Ranks per node (node n holds ranks n*node_size ... (n+1)*node_size-1).  None: the
+    ``LOCAL_WORLD_SIZE`` (torchrun) or ``LOCAL_SIZE`` environment variable, else one node."""
+
+    on_skip: Literal["restore", "reset"] = "restore"
+    """When an fp16 step is skipped (overflow): ``restore`` the error buffers as they were
+    before the step (keeps one old copy of each buffer during fp16 steps), or ``reset`` them
+    to zero (no extra memory)."""
+
+    kernels: Literal["auto", "reference"] = "auto"
+    """``auto``: the C++/CUDA kernels (built just in time; the pure-torch reference when the
+    build fails or the device has none).  ``reference``: always the pure-torch reference."""
