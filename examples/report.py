@@ -101,9 +101,7 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
             continue
         s = summarize(r)
         comm = s["comm_bytes_per_step"]
-        comm_txt = (
-            "<br>".join(f"{k}: {human_bytes(v)}" for k, v in comm.items()) if comm else "n/a"
-        )
+        comm_txt = "<br>".join(f"{k}: {human_bytes(v)}" for k, v in comm.items()) if comm else "n/a"
         if comm == {}:
             comm_txt = "none counted"
         peak = r.get("peak_memory_bytes")
@@ -150,6 +148,8 @@ def plot_loss(results: list[Result], path: Path) -> None:
     ok = [r for r in results if r.get("status") == "ok"]
     for i, r in enumerate(ok):
         color = f"C{i % 10}"
+        style = ("-", "--", "-.", ":")[i % 4]
+        marker = "osD^v"[i % 5]
         losses = r["train_loss"]
         steps = list(range(1, len(losses) + 1))
         ax.plot(steps, losses, color=color, alpha=0.3, linewidth=0.8)
@@ -158,12 +158,20 @@ def plot_loss(results: list[Result], path: Path) -> None:
             centered_mean(losses, 9),
             color=color,
             linewidth=1.8,
+            linestyle=style,  # identical runs overlap: the styles keep each one visible
             label=f"{r['name']} train (9-step mean)",
         )
         if r.get("val_loss"):
             vs, vl = zip(*r["val_loss"], strict=True)
             ax.plot(
-                vs, vl, color=color, marker="o", linestyle="--", linewidth=1, label=f"{r['name']} val"
+                vs,
+                vl,
+                color=color,
+                marker=marker,
+                markersize=7 - 1.5 * (i % 3),
+                linestyle=":",
+                linewidth=1,
+                label=f"{r['name']} val",
             )
     if not ok:
         ax.text(0.5, 0.5, "no completed run", ha="center", va="center", transform=ax.transAxes)
@@ -184,9 +192,12 @@ def plot_comm(results: list[Result], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    per_run = {r["name"]: comm_per_step(r) for r in results if r.get("status") == "ok"}
-    per_run = {k: v for k, v in per_run.items() if v}
-    fig, ax = plt.subplots(figsize=(9, 5), dpi=110)
+    per_run: dict[str, dict[str, float]] = {}
+    for r in results:
+        comm = comm_per_step(r) if r.get("status") == "ok" else None
+        if comm:
+            per_run[r["name"]] = comm
+    fig, ax = plt.subplots(figsize=(10, 5), dpi=110)
     if not per_run:
         ax.text(
             0.5,
@@ -199,17 +210,20 @@ def plot_comm(results: list[Result], path: Path) -> None:
         ax.set_axis_off()
     else:
         keys = sorted({k for v in per_run.values() for k in v})
-        width = min(0.8 / len(keys), 0.3)
-        for j, key in enumerate(keys):
-            xs = [i + (j - (len(keys) - 1) / 2) * width for i in range(len(per_run))]
+        xs = list(range(len(per_run)))
+        bottom = [0.0] * len(per_run)
+        for j, key in enumerate(keys):  # one bar per run, stacked by collective and dtype
             ys = [v.get(key, 0.0) / 2**20 for v in per_run.values()]
-            bars = ax.bar(xs, ys, width=width, label=key, color=f"C{j % 10}")
-            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+            ax.bar(xs, ys, width=0.5, bottom=bottom, label=key, color=f"C{j % 10}")
+            bottom = [b + y for b, y in zip(bottom, ys, strict=True)]
+        for x, total in zip(xs, bottom, strict=True):
+            ax.annotate(f"{total:.2f} MiB", (x, total), ha="center", va="bottom", fontsize=9)
+        ax.set_ylim(0, max(bottom) * 1.12 or 1.0)
         ax.set_xticks(range(len(per_run)), list(per_run))
         ax.set_xlim(-0.6, len(per_run) - 0.4)
         ax.set_ylabel("MiB per optimizer step (sum over ranks)")
-        ax.set_title("Bytes handed to each collective per step, by dtype")
-        ax.legend(title="collective dtype")
+        ax.set_title("Bytes handed to the gradient collectives per step, by collective and dtype")
+        ax.legend(title="collective dtype", loc="upper left", bbox_to_anchor=(1.01, 1.0))
         ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)

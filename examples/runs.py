@@ -9,18 +9,20 @@ with one line here::
 
 A dict is merged into the config (nested dicts merged key by key); each of its top-level keys
 is a zerohooks plugin section, and the run is reported as skipped, with the reason, when
-zerohooks or that plugin (``zerohooks.available_plugins()``) is not installed. For anything
+zerohooks or that plugin (its ``zerohooks.plugins`` entry point) is not installed. For anything
 else, pass a function, and name the plugins and other modules it needs::
 
     add_run("loco-ef", lambda cfg: cfg.update(loco={"err_beta": 0.9}), plugins=("loco",))
 
 ``--runs a+b`` combines registered runs (edits applied left to right); ``--plugins p,q``
-applies the edits of runs ``p`` and ``q`` on top of every selected run.
+applies the edits of runs ``p`` and ``q`` on top of every selected run. A zerohooks plugin with
+no registered run can still be named: it runs with an empty section (the plugin's defaults).
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -50,19 +52,35 @@ class Run:
         return cfg
 
 
-def _missing_plugins(names: tuple[str, ...]) -> list[str]:
+def _installed_plugins() -> set[str] | None:
+    """Names of the installed zerohooks plugins (entry points, not loaded); None without zerohooks."""
     try:
         import zerohooks
     except ImportError:
-        return ["zerohooks"]
+        return None
+    group = getattr(zerohooks, "ENTRY_POINT_GROUP", "zerohooks.plugins")
+    return {ep.name for ep in importlib.metadata.entry_points(group=group)}
+
+
+def _known_plugins() -> dict[str, str]:
+    """The project's own plugins: section name -> distribution name (empty without zerohooks)."""
     try:
-        found = set(zerohooks.available_plugins())
-        known = dict(getattr(zerohooks, "KNOWN_PLUGINS", {}))
-    except Exception:  # an older zerohooks: fall back on the import name
-        found = {n for n in names if importlib.util.find_spec(n) is not None}
-        known = {}
-    return [f"{n} plugin (pip install {known[n]})" if n in known else f"{n} plugin" for n in names
-            if n not in found]
+        import zerohooks
+    except ImportError:
+        return {}
+    return dict(getattr(zerohooks, "KNOWN_PLUGINS", {}))
+
+
+def _missing_plugins(names: tuple[str, ...]) -> list[str]:
+    installed = _installed_plugins()
+    if installed is None:
+        return ["zerohooks"]
+    known = _known_plugins()
+    return [
+        f"{n} plugin (pip install {known[n]})" if n in known else f"{n} plugin"
+        for n in names
+        if n not in installed
+    ]
 
 
 RUNS: dict[str, Run] = {}
@@ -102,16 +120,31 @@ def add_run(
     return run
 
 
+def plugin_names() -> set[str]:
+    """zerohooks plugins known here (installed or the project's own), empty without zerohooks."""
+    return (_installed_plugins() or set()) | set(_known_plugins())
+
+
+def plugin_default_run(name: str) -> Run:
+    """A run for a plugin with no registered run: its section with the plugin's defaults."""
+    return Run(name, lambda cfg: merge(cfg, {name: {}}), (name,), (), f"{name} plugin, default settings")
+
+
 def resolve(spec: str, plugins: tuple[str, ...] = ()) -> Run:
     """A run from ``name`` or ``a+b+...``, with the ``plugins`` runs' edits applied on top."""
     parts = [p for p in spec.split("+") if p]
     parts += [p for p in plugins if p not in parts]
-    unknown = [p for p in parts if p not in RUNS]
+    unknown = [p for p in parts if p not in RUNS and p not in plugin_names()]
     if not parts or unknown:
         raise KeyError(
             f"unknown run {', '.join(unknown) or spec!r}; registered runs: {', '.join(RUNS)}"
+            + (f"; zerohooks plugins: {', '.join(sorted(plugin_names()))}" if plugin_names() else "")
         )
-    runs = [RUNS[p] for p in parts if not (p == "baseline" and len(parts) > 1)]
+    runs = [
+        RUNS[p] if p in RUNS else plugin_default_run(p)
+        for p in parts
+        if not (p == "baseline" and len(parts) > 1)
+    ]
 
     def edit(cfg: dict[str, Any]) -> None:
         for r in runs:
@@ -139,7 +172,7 @@ def _stage(stage: int) -> ConfigEdit:
 # --- built-in runs -------------------------------------------------------------------------
 add_run("baseline", lambda cfg: None, help="the command-line configuration, no plugin")
 for _s in range(4):
-    add_run(f"zero{_s}", _stage(_s), help=f"ZeRO stage {_s} whatever --stage says")
+    add_run(f"zero{_s}", _stage(_s), help=f"ZeRO stage {_s} (overrides --stage)")
 
 # --- plugin runs: one line per package -----------------------------------------------------
 add_run("accumdtype", {"accumdtype": {"dtype": "fp32"}})

@@ -14,7 +14,9 @@ report.md, results.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import json
 import logging
 import os
 import platform
@@ -22,6 +24,7 @@ import resource
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -29,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import runs as run_registry  # noqa: E402  (sibling modules of this script)
+import runs as run_registry  # a sibling module of this script
 
 WARMUP_STEPS = 3
 T_IMPORT = time.time()
@@ -51,19 +54,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "fp16: GPUs only",
     )
     g.add_argument("--offload", action="store_true", help="offload the optimizer to CPU (stage>=1)")
-    g.add_argument(
-        "--nproc", type=int, default=None, help="ranks to launch (default: #GPUs, else 2)"
-    )
+    g.add_argument("--nproc", type=int, default=None, help="ranks to launch (default: #GPUs, else 2)")
     g = p.add_argument_group("comparison")
     g.add_argument(
         "--runs",
         default="baseline",
         help="comma-separated runs to compare, each a registered name or a+b; 'all' for all",
     )
-    g.add_argument(
-        "--plugins", default="", help="comma-separated plugin runs applied on top of every run"
-    )
+    g.add_argument("--plugins", default="", help="comma-separated plugin runs applied on top of every run")
     g.add_argument("--list-runs", action="store_true", help="list the registered runs and exit")
+    # the `deepspeed` launcher passes --local_rank; LOCAL_RANK in the environment is what we use
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=150, help="optimizer steps per run")
     g.add_argument("--micro-batch", type=int, default=16, help="sequences per rank per micro-step")
@@ -109,11 +110,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def list_runs() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # zerohooks imports deepspeed
     print("Registered runs (examples/runs.py):")
     for name, run in run_registry.RUNS.items():
         reason = run.skip_reason()
         state = f"  [{reason}]" if reason else ""
         print(f"  {name:<12} {run.help}{state}")
+    extra = sorted(run_registry.plugin_names() - set(run_registry.RUNS))
+    if extra:
+        print("zerohooks plugins with no registered run (they run with their default settings):")
+        for name in extra:
+            reason = run_registry.plugin_default_run(name).skip_reason()
+            print(f"  {name:<12} {'[' + reason + ']' if reason else 'installed'}")
 
 
 # ---------------------------------------------------------------------------- launcher
@@ -131,7 +142,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     if not n_gpu and args.dtype == "fp16":
         print(
             "error: --dtype fp16 needs GPUs: DeepSpeed's CPU accelerator refuses fp16 here. "
-            "Use --dtype bf16 (default) or fp32.",
+            "Use --dtype bf16 or fp32 (or auto, the default).",
             file=sys.stderr,
         )
         return 2
@@ -149,20 +160,26 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         "--standalone",
         f"--nproc-per-node={nproc}",
         str(Path(__file__).resolve()),
-        *argv,
-    ]
+    ]  # our options go through the environment: torchrun's parser would take e.g. --nproc as its own
     where = f"{nproc} GPU rank(s), NCCL" if n_gpu else f"{nproc} CPU rank(s), gloo"
     print(f"train_gpt: launching {where}", flush=True)
+    env["TRAIN_GPT_ARGV"] = json.dumps(argv)
     env["TRAIN_GPT_T0"] = str(T_IMPORT)
     env["TRAIN_GPT_COMMAND"] = shlex.join(["python", sys.argv[0], *argv])
-    try:
-        rc = subprocess.run(cmd, env=env).returncode
-    except KeyboardInterrupt:
-        print("train_gpt: interrupted", file=sys.stderr)
-        return 130
-    if rc != 0:
-        print(f"train_gpt: failed (exit status {rc}); the failing rank's error is above.",
-              file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="train_gpt_") as errors:
+        env["TRAIN_GPT_ERROR_DIR"] = errors
+        try:
+            rc = subprocess.run(cmd, env=env).returncode
+        except KeyboardInterrupt:
+            print("train_gpt: interrupted", file=sys.stderr)
+            return 130
+        if rc != 0:
+            why = [p.read_text().strip() for p in sorted(Path(errors).glob("rank*.txt"))]
+            print(
+                f"train_gpt: failed (exit status {rc})"
+                + ("".join(f"\n  {w}" for w in why) if why else "; see the errors above"),
+                file=sys.stderr,
+            )
     return rc
 
 
@@ -234,7 +251,8 @@ def ds_config(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
 
 def param_groups(model: Any) -> list[dict[str, Any]]:
     """Weight decay on matrices only (not on biases, LayerNorm or embeddings)."""
-    decay, no_decay = [], []
+    decay: list[Any] = []
+    no_decay: list[Any] = []
     for name, p in model.named_parameters():
         (decay if p.dim() == 2 and "emb" not in name else no_decay).append(p)
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -300,27 +318,23 @@ def train_one(
     rank, world, cuda = ctx["rank"], ctx["world_size"], ctx["cuda"]
     config = run.config(ds_config(args, world))
     torch.manual_seed(args.seed)
-    model = GPT(
-        GPTConfig(
-            seq_len=args.seq_len, n_layer=args.layers, n_head=args.heads, d_model=args.d_model
-        )
-    )
+    model = GPT(GPTConfig(seq_len=args.seq_len, n_layer=args.layers, n_head=args.heads, d_model=args.d_model))
     ctx["n_params"] = model.num_parameters()
     memory_kind = reset_peak_memory(cuda)
     engine, _, _, _ = initialize(model=model, model_parameters=param_groups(model), config=config)
     device = engine.device
 
     train = BatchSampler(corpus.train, args.seq_len, args.micro_batch, args.seed, rank)
-    val_batches = BatchSampler(
-        corpus.val, args.seq_len, args.micro_batch, args.seed + 1, rank
-    ).fixed(args.eval_batches)
+    val_batches = BatchSampler(corpus.val, args.seq_len, args.micro_batch, args.seed + 1, rank).fixed(
+        args.eval_batches
+    )
     tokens_per_step = args.micro_batch * args.grad_accum * args.seq_len * world
 
     def sync() -> None:
         if cuda:
             torch.cuda.synchronize()
 
-    def evaluate() -> float:
+    def evaluate(engine: Any) -> float:
         engine.eval()
         total = torch.zeros((), dtype=torch.float64, device=device)
         with torch.no_grad():
@@ -361,7 +375,7 @@ def train_one(
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
         if step % args.eval_every == 0 or step == args.steps:
-            v = evaluate()
+            v = evaluate(engine)
             val.append((step, v))
             if rank == 0:
                 bar.write(f"[{run.name}] step {step}: train loss {loss_value:.4f}, val loss {v:.4f}")
@@ -500,7 +514,9 @@ def worker(args: argparse.Namespace) -> int:
             "command": os.environ.get("TRAIN_GPT_COMMAND", shlex.join(["python", *sys.argv])),
             "world_size": world,
             "backend": backend,
-            "device": torch.cuda.get_device_name(0) if cuda else f"CPU ({platform.processor() or platform.machine()})",
+            "device": torch.cuda.get_device_name(0)
+            if cuda
+            else f"CPU ({platform.processor() or platform.machine()})",
             "torch": torch.__version__,
             "deepspeed": deepspeed.__version__,
             "zerohooks": zh_version,
@@ -544,9 +560,7 @@ def worker(args: argparse.Namespace) -> int:
             else:
                 results.append(train_one(run, args, ctx, corpus))
             meta["n_params"] = ctx.get("n_params", 0)
-            meta["memory_kind"] = next(
-                (r["memory_kind"] for r in results if "memory_kind" in r), ""
-            )
+            meta["memory_kind"] = next((r["memory_kind"] for r in results if "memory_kind" in r), "")
             meta["wall_time_s"] = round(time.time() - t_start, 1)
             if rank == 0:  # after every run, so a later failure keeps the finished ones
                 folder = write_report(args.out, results, meta)
@@ -566,7 +580,9 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    if argv is None:
+        launched = "RANK" in os.environ and "TRAIN_GPT_ARGV" in os.environ
+        argv = json.loads(os.environ["TRAIN_GPT_ARGV"]) if launched else sys.argv[1:]
     args = parse_args(argv)
     if args.list_runs:
         list_runs()
@@ -580,7 +596,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         rank = os.environ.get("RANK", "?")
         traceback.print_exc()
-        print(f"\ntrain_gpt: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        message = f"rank {rank}: {type(e).__name__}: {e}"
+        print(f"\ntrain_gpt: {message}", file=sys.stderr, flush=True)
+        if os.environ.get("TRAIN_GPT_ERROR_DIR"):
+            with contextlib.suppress(OSError):
+                Path(os.environ["TRAIN_GPT_ERROR_DIR"], f"rank{rank}.txt").write_text(message)
         return 1
 
 

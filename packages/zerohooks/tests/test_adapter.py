@@ -134,3 +134,25 @@ def test_harness_returns_results_in_rank_order() -> None:
 
 def _rank_times_ten() -> int:
     return int(os.environ["RANK"]) * 10
+
+
+@pytest.mark.multirank
+@distributed(world_size=2)
+def test_config_from_json_path_and_from_args(tmp_path) -> None:
+    """The config may come as a JSON path or through ``args.deepspeed_config``, as with DeepSpeed."""
+    import argparse
+    import json
+
+    path = tmp_path / f"ds{os.environ['RANK']}.json"
+    path.write_text(json.dumps(ds_config(2, "bf16")))
+    ref_model = make_model()
+    ref, *_ = deepspeed.initialize(model=ref_model, model_parameters=ref_model.parameters(), config=str(path))
+    ref_losses = train(ref, 2, 2)
+    m1 = make_model()
+    e1, *_ = zerohooks.initialize(model=m1, model_parameters=m1.parameters(), config=str(path))
+    args = argparse.Namespace(deepspeed_config=str(path), local_rank=int(os.environ["RANK"]))
+    m2 = make_model()
+    e2, *_ = zerohooks.initialize(args=args, model=m2, model_parameters=m2.parameters())
+    assert args.deepspeed_config == str(path)  # the caller's args are not modified
+    assert train(e1, 2, 2) == ref_losses
+    assert train(e2, 2, 2) == ref_losses

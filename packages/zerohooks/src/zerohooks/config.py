@@ -7,7 +7,7 @@ import difflib
 import json
 import os
 from collections.abc import Mapping
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 import pydantic
@@ -29,27 +29,37 @@ KNOWN_PLUGINS: dict[str, str] = {
 }
 """Section name -> distribution providing it, for the project's own plugins."""
 
-_cache: dict[str, type[ZeroPlugin]] | None = None
+
+def _entry_points() -> dict[str, EntryPoint]:
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
-def available_plugins(refresh: bool = False) -> dict[str, type[ZeroPlugin]]:
-    """Plugin classes registered in the ``zerohooks.plugins`` entry-point group, by name."""
-    global _cache
-    if _cache is None or refresh:
-        found: dict[str, type[ZeroPlugin]] = {}
-        for ep in entry_points(group=ENTRY_POINT_GROUP):
-            cls = ep.load()
-            if not (isinstance(cls, type) and issubclass(cls, ZeroPlugin)):
-                raise TypeError(
-                    f"entry point {ep.name!r} = {ep.value!r} is not a zerohooks.ZeroPlugin subclass"
-                )
-            if cls.name != ep.name:
-                raise TypeError(
-                    f"entry point {ep.name!r} loads plugin class named {cls.name!r}; they must match"
-                )
-            found[ep.name] = cls
-        _cache = found
-    return dict(_cache)
+def _load(ep: EntryPoint) -> type[ZeroPlugin]:
+    dist = ep.dist.name if ep.dist is not None else KNOWN_PLUGINS.get(ep.name, "?")
+    try:
+        cls = ep.load()
+    except Exception as e:
+        raise ConfigError(
+            f"plugin {ep.name!r} ({ep.value}, from {dist}) failed to import: {type(e).__name__}: {e}"
+        ) from e
+    if not (isinstance(cls, type) and issubclass(cls, ZeroPlugin)):
+        raise ConfigError(
+            f"entry point {ep.name!r} = {ep.value!r} ({dist}) is not a zerohooks.ZeroPlugin subclass"
+        )
+    if cls.name != ep.name:
+        raise ConfigError(
+            f"entry point {ep.name!r} ({dist}) loads a plugin named {cls.name!r}; they must match"
+        )
+    return cls
+
+
+def available_plugins() -> dict[str, type[ZeroPlugin]]:
+    """Load and return every plugin registered in the ``zerohooks.plugins`` entry-point group.
+
+    ``zerohooks.initialize`` does not call this: it loads only the plugins the config names, so a
+    broken plugin that is installed but not used cannot stop training.
+    """
+    return {name: _load(ep) for name, ep in _entry_points().items()}
 
 
 def load_config(config: Any) -> dict[str, Any]:
@@ -102,18 +112,19 @@ def split_plugin_sections(
     :class:`PluginNotInstalledError` naming the distribution.  A section may be ``false`` or
     ``{"enabled": false}`` to leave the plugin off.
     """
-    plugins = available_plugins() if plugins is None else plugins
+    eps = _entry_points() if plugins is None else {}
+    names = set(plugins) if plugins is not None else set(eps)
     built: list[ZeroPlugin] = []
-    for key in sorted(set(ds_config) & (set(plugins) | set(KNOWN_PLUGINS))):
+    for key in sorted(set(ds_config) & (names | set(KNOWN_PLUGINS))):
         section = ds_config.pop(key)
         if section is False or (isinstance(section, dict) and section.get("enabled", True) is False):
             continue
-        if key not in plugins:
+        if key not in names:
             raise PluginNotInstalledError(
                 f'the DeepSpeed config has a "{key}" section but the {key} plugin is not installed: '
                 f"pip install {KNOWN_PLUGINS[key]}"
             )
-        cls = plugins[key]
+        cls = plugins[key] if plugins is not None else _load(eps[key])
         if section is True:
             section = {}
         if not isinstance(section, dict):
