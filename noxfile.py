@@ -24,6 +24,7 @@ Environment variables:
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 import os
 import shutil
@@ -40,9 +41,9 @@ if sys.version_info >= (3, 11):
 else:  # nox depends on tomli on Python 3.10
     import tomli as tomllib
 
-nox.needs_version = ">=2024.3.2"
+nox.needs_version = ">=2024.10.9"  # nox.options.reuse_venv
 nox.options.default_venv_backend = "uv|virtualenv"  # uv when installed (fast), else virtualenv + pip
-nox.options.reuse_venv = "yes"  # CI starts from nothing; locally venvs are reused (nox -R also skips installs)
+nox.options.reuse_venv = "yes"  # reuse venvs locally (nox -R also skips installs); CI starts from none
 nox.options.error_on_external_run = True
 # The test command (`nox`): one tests(<pkg>) session per existing package, then the rest.
 nox.options.sessions = ["tests", "integration", "lint", "typecheck"]
@@ -123,7 +124,7 @@ def _constraints() -> Path | None:
         return None
     path = Path(value).expanduser().resolve()
     if not path.is_file():
-        raise SystemExit(f"ZEROHOOKS_CONSTRAINTS={value!r}: no such file")
+        raise FileNotFoundError(f"ZEROHOOKS_CONSTRAINTS={value!r}: no such file (unset it, or set it empty)")
     return path
 
 
@@ -158,11 +159,12 @@ def _prepare(session: nox.Session) -> None:
     constraints = _constraints()
     if constraints is not None:
         # pip subprocesses (build isolation, tests that pip install) and uv honour these too
-        session.env["PIP_CONSTRAINT"] = str(constraints)
-        session.env["UV_CONSTRAINT"] = str(constraints)
+        # (and builds of sdists: a build dependency on torch must not pull the CUDA build either)
+        for var in ("PIP_CONSTRAINT", "PIP_BUILD_CONSTRAINT", "UV_CONSTRAINT", "UV_BUILD_CONSTRAINT"):
+            session.env[var] = str(constraints)
     links = _find_links()
     if links:
-        session.env["UV_FIND_LINKS"] = " ".join(links)
+        session.env["UV_FIND_LINKS"] = ",".join(links)  # uv does not read pip.conf
     session.env["DS_BUILD_OPS"] = "0"  # DeepSpeed builds its ops just in time, never at install
 
 
@@ -180,26 +182,21 @@ def _install(session: nox.Session, *args: str, local: Iterable[Package] = ()) ->
     session.log(f"install took {time.perf_counter() - start:.1f} s")
 
 
-def _use_jit_dir(session: nox.Session, python: str = "python") -> None:
-    """One TORCH_EXTENSIONS_DIR for all sessions (per Python and torch build), stale locks removed.
+def _use_jit_dir(session: nox.Session, name: str | None = None) -> None:
+    """TORCH_EXTENSIONS_DIR = .torch_extensions/<venv name>/ (gitignored), stale locks removed.
 
-    DeepSpeed builds its CPU ops just in time; sharing the folder means it builds them once, not
-    once per nox session. A killed build leaves a `lock` file that makes the next build wait
-    forever, so locks older than ZEROHOOKS_STALE_LOCK_MINUTES (30) are deleted first.
+    DeepSpeed builds its CPU ops (deepspeed_shm_comm) just in time, at the first
+    deepspeed.init_distributed() of a process. torch writes the venv's absolute include/library
+    paths into build.ninja, so ONE folder shared by several venvs rebuilds the op (minutes on
+    2 cores) every time a different session uses it. One folder per session venv under the shared
+    root builds it once per venv: a reused venv (the local default) never rebuilds, a recreated
+    one (CI, --reuse-venv=no) rebuilds once. A killed build leaves a `lock` file that makes the
+    next build wait forever, so locks older than ZEROHOOKS_STALE_LOCK_MINUTES (30) are deleted.
     """
-    tag = session.run(
-        python,
-        "-c",
-        "import sys, importlib.metadata as m\n"
-        "try: t = m.version('torch')\n"
-        "except m.PackageNotFoundError: t = 'none'\n"
-        "print(f'py{sys.version_info[0]}{sys.version_info[1]}_torch{t}')",
-        silent=True,
-        log=False,
-        external=True,
-    )
-    assert isinstance(tag, str)
-    folder = TORCH_EXTENSIONS_ROOT / tag.strip().splitlines()[-1]
+    if name is None:  # the venv's name plus a hash of its path (nox --envdir may place it elsewhere)
+        location = Path(session.virtualenv.location).resolve()
+        name = f"{location.name}-{hashlib.sha1(str(location).encode()).hexdigest()[:8]}"
+    folder = TORCH_EXTENSIONS_ROOT / name
     folder.mkdir(parents=True, exist_ok=True)
     max_age = float(os.environ.get("ZEROHOOKS_STALE_LOCK_MINUTES", "30")) * 60
     now = time.time()
@@ -415,7 +412,7 @@ def typecheck(session: nox.Session) -> None:
             session.warn(f"{target.relative_to(ROOT)} does not exist; skipped")
             continue
         try:
-            session.run("mypy", str(target.relative_to(ROOT)), *session.posargs)
+            session.run("mypy", str(target.relative_to(ROOT)))
         except nox.command.CommandFailed:
             failed.append(pkg.value)
     if failed:
@@ -431,7 +428,7 @@ def build(session: nox.Session) -> None:
     if uv:
         build_req.extras.add("uv")
     session.install(str(build_req))
-    tmp = Path(session.create_tmp())
+    tmp = Path(session.create_tmp()).resolve()
     dist = tmp / "dist"
     venv = tmp / "fresh-venv"
     for folder in (dist, venv):
@@ -454,7 +451,7 @@ def build(session: nox.Session) -> None:
     session.log(f"fresh venv + wheel install took {time.perf_counter() - start:.1f} s")
 
     _check_install(session, PACKAGES, isolated=False, mode="wheel", sources=[dist], python=py)
-    _use_jit_dir(session, python=py)
+    _use_jit_dir(session, name="build-fresh-venv")
     with session.chdir(tmp):  # away from the tree, so nothing can be imported from it by accident
         for pkg in PACKAGES:
             session.run(

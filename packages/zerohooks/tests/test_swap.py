@@ -30,6 +30,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _build_aio_once() -> None:
+    """Build DeepSpeed's async_io op in the parent, so the ranks neither race on nor time out in it."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    AsyncIOBuilder().load(verbose=False)
+
+
 class _RecordingSwapper(SwapOwner):
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []

@@ -27,7 +27,6 @@ __all__ = [
     "MultiRankError",
     "distributed",
     "install_fp16_cpu_accelerator",
-    "prebuild_deepspeed_ops",
     "run_distributed",
 ]
 
@@ -69,26 +68,19 @@ def install_fp16_cpu_accelerator() -> None:
     set_accelerator(_FP16CPUAccelerator())
 
 
-_prebuilt = False
+def _skip_shm_op() -> None:
+    """Tell DeepSpeed not to JIT-build its shared-memory comm op in this rank.
 
-
-def prebuild_deepspeed_ops() -> None:
-    """Build DeepSpeed's JIT op that ``init_distributed`` loads on CPU, once, in this process.
-
-    On CPU DeepSpeed compiles its shared-memory communication op the first time a rank calls
-    ``init_distributed`` (about a minute on two cores; cached under ``TORCH_EXTENSIONS_DIR``).
-    Building it here, before the ranks start, keeps the ranks from racing on the build.
+    On CPU, ``deepspeed.init_distributed`` compiles that op (a minute or more, and again for every
+    virtual environment) although only DeepSpeed's inference all-reduce uses it; training over
+    gloo never does.  DeepSpeed keeps its table of compatible ops as an editable module-level dict
+    for this purpose.  Set ``ZEROHOOKS_TEST_SHM_OP=1`` to build and load it anyway.
     """
-    global _prebuilt
-    if _prebuilt:
+    if os.environ.get("ZEROHOOKS_TEST_SHM_OP") == "1":
         return
-    from deepspeed.accelerator import get_accelerator
+    import deepspeed.ops
 
-    if get_accelerator().device_name() == "cpu":
-        from deepspeed.comm.torch import build_shm_op
-
-        build_shm_op()
-    _prebuilt = True
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def _worker(
@@ -117,6 +109,7 @@ def _worker(
             install_fp16_cpu_accelerator()
         import deepspeed
 
+        _skip_shm_op()
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
         if isinstance(target, tuple):  # (module, qualname) of a @distributed test
             mod, name = target
@@ -151,7 +144,6 @@ def run_distributed(
     ``fn`` must be importable by name (module level).  Raises :class:`MultiRankError` with the
     failing rank's traceback, or naming the ranks that hung past ``timeout`` seconds.
     """
-    prebuild_deepspeed_ops()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
