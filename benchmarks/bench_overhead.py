@@ -91,8 +91,10 @@ def _rank_main(stages: list[int], steps: int, rounds: int, d: int, layers: int) 
         gen = torch.Generator().manual_seed(rank)
         x = torch.randn(8, 16, d, generator=gen).to(torch.bfloat16)
         times: dict[str, list[float]] = {v: [] for v in engines}
-        for r in range(rounds + 1):  # round 0 warms up
-            for v, eng in engines.items():
+        order = list(engines)
+        for r in range(rounds + 1):  # round 0 warms up; the order rotates so no variant always goes first
+            for v in order[r % 3 :] + order[: r % 3]:
+                eng = engines[v]
                 torch.distributed.barrier()
                 t0 = time.perf_counter()
                 for _ in range(steps * 2):  # 2 micro-steps per optimizer step

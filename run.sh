@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The project's two commands, each working on a fresh machine (Python 3.10+ with pip):
+#   bash run.sh demo [demo options]   the training demo (examples/train_gpt.py) in a nox-made venv
+#   bash run.sh test [nox options]    the test suite: `nox` (every package, integration, lint, typecheck)
+# It installs what is missing (nox, uv; g++ / libaio-dev through apt when needed), then runs nox,
+# which builds its own virtual environments with torch pinned by constraints.txt.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")"
+
+PYTHON=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+log() { printf 'run.sh: %s\n' "$*" >&2; }
+
+# --- system packages, only when really needed ------------------------------------------------
+apt_packages=()
+command -v c++ >/dev/null 2>&1 || apt_packages+=(g++) # torch/DeepSpeed JIT-build C++ ops
+if [[ -d packages/nvmeswap ]] && ! dpkg -s libaio-dev >/dev/null 2>&1; then
+    apt_packages+=(libaio-dev) # DeepSpeed's async_io op (NVMe swap)
+fi
+if ((${#apt_packages[@]})); then
+    log "apt-get install ${apt_packages[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${apt_packages[@]}"
+fi
+
+# --- Python tools -----------------------------------------------------------------------------
+if ! "$PYTHON" -m nox --version >/dev/null 2>&1; then
+    log "installing nox"
+    "$PYTHON" -m pip install --quiet "nox>=2024.10.9"
+fi
+# uv makes venv creation and installs several times faster; nox falls back to virtualenv + pip.
+if ! command -v uv >/dev/null 2>&1 && ! "$PYTHON" -m uv --version >/dev/null 2>&1; then
+    log "installing uv"
+    "$PYTHON" -m pip install --quiet uv || log "could not install uv; nox will use virtualenv + pip"
+fi
+if command -v pyenv >/dev/null 2>&1; then
+    pyenv rehash || true # new console scripts (nox, uv) get their pyenv shims
+fi
+if command -v nox >/dev/null 2>&1; then
+    nox_cmd=(nox)
+else
+    nox_cmd=("$PYTHON" -m nox)
+fi
+log "$("$PYTHON" --version 2>&1), nox $("${nox_cmd[@]}" --version 2>&1), $(uv --version 2>/dev/null || echo 'no uv')"
+
+case "${1:-}" in
+demo)
+    shift
+    exec "${nox_cmd[@]}" -s demo -- "$@"
+    ;;
+test)
+    shift
+    exec "${nox_cmd[@]}" "$@"
+    ;;
+*)
+    echo "usage: bash run.sh demo [demo options] | bash run.sh test [nox options]" >&2
+    exit 2
+    ;;
+esac
