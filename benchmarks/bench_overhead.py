@@ -23,6 +23,9 @@ import torch
 from torch import nn
 
 OUT = Path(__file__).resolve().parent / "out"
+# "deepspeed (A/A)" is a second, identical raw DeepSpeed engine: its ratio to the first is the noise
+# floor of the measurement (engines created later in the same process, cache effects).
+VARIANTS = ("deepspeed", "deepspeed (A/A)", "zerohooks", "zerohooks+all-hooks")
 
 
 class Block(nn.Module):
@@ -60,14 +63,32 @@ def _all_hooks_plugin() -> Any:
 
         name = "allhooks"
 
+        calls = 0
+
         def attach(self, registry: Any, ctx: Any) -> None:
-            registry.register_micro_step_grad(lambda p, c: None, name=self.name)
-            registry.register_reduce_dtype(lambda p, d: d, name=self.name)
-            registry.register_reduce_tensor(lambda p, t: t, name=self.name)
-            registry.register_before_step(lambda c: None, name=self.name)
-            registry.register_after_step(lambda c, s: None, name=self.name)
+            def count(ret: Any) -> Any:
+                AllHooks.calls += 1
+                return ret
+
+            registry.register_micro_step_grad(lambda p, c: count(None), name=self.name)
+            registry.register_reduce_dtype(lambda p, d: count(d), name=self.name)
+            registry.register_reduce_tensor(lambda p, t: count(t), name=self.name)
+            registry.register_before_step(lambda c: count(None), name=self.name)
+            registry.register_after_step(lambda c, s: count(None), name=self.name)
 
     return AllHooks(AllHooks.Config())
+
+
+def _per_call_cost(engine: Any) -> float:
+    """Seconds one adapter dispatch costs: firing the registered micro-step hooks for a parameter."""
+    import timeit
+
+    import zerohooks
+
+    att = zerohooks.attachment(engine)
+    p = next(engine.module.parameters())
+    n = 20000
+    return min(timeit.repeat(lambda: att.fire_micro_step_grad(p), number=n, repeat=5)) / n
 
 
 def _rank_main(stages: list[int], steps: int, rounds: int, d: int, layers: int) -> dict[str, Any]:
@@ -79,10 +100,10 @@ def _rank_main(stages: list[int], steps: int, rounds: int, d: int, layers: int) 
     results: dict[str, Any] = {}
     for stage in stages:
         engines = {}
-        for variant in ("deepspeed", "zerohooks", "zerohooks+all-hooks"):
+        for variant in VARIANTS:
             model = make_model(d, layers)
             kw = {"model": model, "model_parameters": model.parameters(), "config": _config(stage)}
-            if variant == "deepspeed":
+            if variant.startswith("deepspeed"):
                 engines[variant] = deepspeed.initialize(**kw)[0]
             elif variant == "zerohooks":
                 engines[variant] = zerohooks.initialize(**kw)[0]
@@ -93,7 +114,7 @@ def _rank_main(stages: list[int], steps: int, rounds: int, d: int, layers: int) 
         times: dict[str, list[float]] = {v: [] for v in engines}
         order = list(engines)
         for r in range(rounds + 1):  # round 0 warms up; the order rotates so no variant always goes first
-            for v in order[r % 3 :] + order[: r % 3]:
+            for v in order[r % len(order) :] + order[: r % len(order)]:
                 eng = engines[v]
                 torch.distributed.barrier()
                 t0 = time.perf_counter()
@@ -105,6 +126,15 @@ def _rank_main(stages: list[int], steps: int, rounds: int, d: int, layers: int) 
                 if r:
                     times[v].append((time.perf_counter() - t0) / steps)
         results[str(stage)] = {v: statistics.median(t) for v, t in times.items()}
+        hooked = engines["zerohooks+all-hooks"]
+        plugin_cls = type(zerohooks.attachment(hooked).plugins[0])
+        before = plugin_cls.calls
+        for _ in range(2):
+            loss = hooked(x).float().pow(2).mean()
+            hooked.backward(loss)
+            hooked.step()
+        results[str(stage)]["hook_calls_per_step"] = plugin_cls.calls - before
+        results[str(stage)]["per_call_s"] = _per_call_cost(hooked)
     return results
 
 
@@ -127,14 +157,16 @@ def main() -> None:
     payload = {"params": n_params, "args": vars(args), "step_time_s": res, "machine": os.uname().nodename}
     (OUT / "overhead.json").write_text(json.dumps(payload, indent=2))
     print(
-        "\n| ZeRO stage | DeepSpeed step (ms) | zerohooks, no plugin | ratio | zerohooks + every hook | ratio |"
+        "\n| ZeRO stage | DeepSpeed step (ms) | A/A control | zerohooks, no plugin | zerohooks + every hook |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|")
     for stage, t in res.items():
         base = t["deepspeed"]
+        cells = " | ".join(f"{t[v] * 1e3:.1f} ms ({t[v] / base:.3f}x)" for v in VARIANTS[1:])
+        share = t["hook_calls_per_step"] * t["per_call_s"] / base
         print(
-            f"| {stage} | {base * 1e3:.1f} | {t['zerohooks'] * 1e3:.1f} | {t['zerohooks'] / base:.3f} "
-            f"| {t['zerohooks+all-hooks'] * 1e3:.1f} | {t['zerohooks+all-hooks'] / base:.3f} |"
+            f"| {stage} | {base * 1e3:.1f} | {cells} | {t['hook_calls_per_step']} "
+            f"| {t['per_call_s'] * 1e6:.2f} | {share:.4%} |"
         )
     sys.stdout.flush()
 

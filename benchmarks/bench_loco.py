@@ -1,0 +1,413 @@
+"""LoCo benchmark: gradient bytes per step, kernel throughput, convergence on the demo LM.
+
+    python benchmarks/bench_loco.py                     # everything (about 15 min on 2 CPU cores)
+    python benchmarks/bench_loco.py --only bytes,kernels
+    python benchmarks/bench_loco.py --steps 300         # longer convergence runs
+
+1. **bytes**: the demo GPT (examples/gpt.py, default size) on 2 gloo ranks, ZeRO 1/2/3, fp32
+   compute with bf16 gradient communication. For LoCo, the bytes each rank sends to other ranks
+   per optimizer step, counted by the plugin (``plugin.stats``); for the baseline, DeepSpeed's own
+   bf16 collectives as counted by zerohooks (bytes handed to each collective) turned into bytes
+   sent by a ring (all-reduce ``2(W-1)/W``, reduce-scatter ``(W-1)/W`` of the bytes handed).
+   Also 4 ranks flat and two-level (2 nodes x 2) on ZeRO 3.
+2. **kernels**: the CPU kernels on 16M elements, bytes read and written per second, against a
+   STREAM-style copy (``torch`` ``copy_`` of a 128 MiB fp32 buffer, bytes read + written)
+   measured in the same run, interleaved, best of N, 1 thread and all threads.
+3. **convergence**: the demo GPT on the standard-library corpus (examples/data.py), 2 ranks,
+   ZeRO 2, the demo's optimizer and schedule: bf16 all-reduce (DeepSpeed), LoCo 4-bit, and 4-bit
+   without error feedback; final train loss (mean of the last 10 steps) and validation loss.
+
+Results: JSON in benchmarks/out/bench_loco.json, markdown printed and in benchmarks/out/bench_loco.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "benchmarks" / "out"
+sys.path.insert(0, str(ROOT / "examples"))  # gpt.py, data.py (imported, not edited)
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+# --------------------------------------------------------------------------------------- ranks
+
+
+def _skip_shm() -> None:
+    try:  # DeepSpeed's CPU shared-memory op is for inference only (as the demo does)
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    except Exception:
+        pass
+
+
+def _ds_config(stage: int, steps: int, micro_batch: int, loco: dict[str, Any] | None) -> dict[str, Any]:
+    """examples/train_gpt.py's defaults, fp32 compute, bf16 gradient communication."""
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": 2e-3,
+                "betas": [0.9, 0.95],
+                "eps": 1e-8,
+                "weight_decay": 0.1,
+                "torch_adam": True,
+            },
+        },
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {
+                "total_num_steps": steps,
+                "warmup_num_steps": max(1, steps // 10),
+                "warmup_type": "linear",
+                "cos_min_ratio": 0.1,
+            },
+        },
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage},
+        "communication_data_type": "bf16",
+        "steps_per_print": 10**9,
+    }
+    if loco is not None:
+        cfg["loco"] = loco
+    return cfg
+
+
+def _train(
+    stage: int, steps: int, loco: dict[str, Any] | None, micro_batch: int = 16, evaluate: bool = False
+) -> dict[str, Any]:
+    """Runs on every rank: train the demo GPT, return losses and byte counts (rank 0's view)."""
+    import torch
+    import torch.distributed as dist
+    from data import BatchSampler, ByteCorpus
+    from gpt import GPT, GPTConfig
+
+    import zerohooks
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(1234)
+    model = GPT(GPTConfig())
+    decay = [p for n, p in model.named_parameters() if p.dim() == 2 and "emb" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and "emb" not in n)]
+    groups = [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
+    engine, *_ = zerohooks.initialize(
+        model=model, model_parameters=groups, config=_ds_config(stage, steps, micro_batch, loco)
+    )
+    corpus = ByteCorpus.load(train_bytes=4 << 20, val_bytes=1 << 18)
+    sampler = BatchSampler(corpus.train, 128, micro_batch, 1234, rank)
+    losses, times = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        x, y = sampler.next()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(float(t) / world)
+        times.append(time.perf_counter() - t0)
+    val = None
+    if evaluate:
+        batches = BatchSampler(corpus.val, 128, micro_batch, 1235, rank).fixed(8)
+        engine.eval()
+        with torch.no_grad():
+            total = torch.zeros((), dtype=torch.float64)
+            for x, y in batches:
+                total += engine(x, y).double()
+        dist.all_reduce(total)
+        val = float(total) / (len(batches) * world)
+    att = zerohooks.attachment(engine)
+    counted = att.counters.last_step() if att is not None else {}
+    plugin = next((p for p in att.plugins if p.name == "loco"), None) if att is not None else None
+    loco_stats = plugin.stats.last_step() if plugin is not None else None
+    # bytes summed over ranks
+    mine = {"counted": counted, "loco": loco_stats}
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine)
+    return {
+        "losses": losses,
+        "val_loss": val,
+        "step_time_s": sorted(times[3:])[len(times[3:]) // 2] if len(times) > 3 else None,
+        "per_rank": every,
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "kernels": bool(plugin.kernels) if plugin is not None else None,
+    }
+
+
+def _ring_bytes(counted: dict[str, dict[str, int]], world: int) -> float:
+    """Bytes a rank sends for DeepSpeed's collectives, from the bytes handed to them."""
+    factor = {
+        "all_reduce": 2 * (world - 1) / world,
+        "reduce_scatter": (world - 1) / world,
+        "reduce": (world - 1) / world,
+    }
+    return sum(factor.get(coll, 1.0) * n for coll, per in counted.items() for n in per.values())
+
+
+def _bytes_worker(cases: list[tuple[int, dict[str, Any] | None]], steps: int) -> list[dict[str, Any]]:
+    _skip_shm()
+    return [_train(stage, steps, loco, micro_batch=4) for stage, loco in cases]
+
+
+def bench_bytes(
+    world: int = 2, stages: tuple[int, ...] = (1, 2, 3), extra: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    from zerohooks.testing import run_distributed
+
+    steps = 3
+    loco = {**(extra or {})}
+    cases: list[tuple[int, dict[str, Any] | None]] = []
+    for stage in stages:
+        cases += [(stage, None), (stage, loco)]
+    results = run_distributed(_bytes_worker, world, args=(cases, steps), timeout=1800)[0]
+    rows = []
+    for stage in stages:
+        base, ours = results[cases.index((stage, None))], results[cases.index((stage, loco))]
+        base_wire = sum(_ring_bytes(r["counted"], world) for r in base["per_rank"])
+        base_handed = sum(sum(sum(v.values()) for v in r["counted"].values()) for r in base["per_rank"])
+        stats = [r["loco"] for r in ours["per_rank"]]
+        wire = sum(s["wire_bytes"] for s in stats)
+        rows.append(
+            {
+                "ranks": world,
+                "topology": "2 nodes x 2" if extra and extra.get("hierarchy") == "two_level" else "flat",
+                "zero_stage": stage,
+                "n_params": ours["n_params"],
+                "bf16_wire_bytes_per_step": base_wire,
+                "bf16_handed_bytes_per_step": base_handed,
+                "loco_wire_bytes_per_step": wire,
+                "loco_handed_bytes_per_step": sum(s["handed_bytes"] for s in stats),
+                "loco_wire_by_collective": {
+                    k: sum(s.get(k, 0) for s in stats)
+                    for k in sorted({k for s in stats for k in s if k.startswith("wire:")})
+                },
+                "loco_bf16_equivalent_wire": sum(s["bf16_wire_bytes"] for s in stats),
+                "ratio": wire / base_wire,
+                "kernels": ours["kernels"],
+            }
+        )
+    return rows
+
+
+# ------------------------------------------------------------------------------------- kernels
+
+
+def bench_kernels(n: int = 1 << 24, repeats: int = 7) -> dict[str, Any]:
+    import torch
+
+    from loco import ops
+
+    built = ops.load("cpu")
+    G = 128
+    g = torch.randn(n).to(torch.bfloat16)
+    e, es = torch.zeros(n, dtype=torch.int8), torch.zeros(n // G)
+    q, s = torch.empty(1, n // 2, dtype=torch.uint8), torch.empty(1, n // G)
+    sources = 2
+    rq = torch.randint(0, 256, (sources, n // 2), dtype=torch.uint8)
+    rs = torch.rand(sources, n // G)
+    q2, s2 = torch.empty(1, n // 2, dtype=torch.uint8), torch.empty(1, n // G)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    src = torch.empty(1 << 25)  # 128 MiB fp32
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    scale_bytes = 4 * n / G
+    kernels = {
+        # bytes read + written per call
+        "quantize_ef (bf16 in, int8 error, 4-bit out)": (
+            lambda use: ops.quantize_ef(g, e, es, 0.8, 4, G, n, q, s, use_kernels=use),
+            n * 2 + (n + scale_bytes) * 2 + n / 2 + scale_bytes,
+        ),
+        "dequant_reduce_requant (2 sources, int8 error)": (
+            lambda use: ops.dequant_reduce_requant(rq, rs, e, es, 0.8, 4, G, q2, s2, use_kernels=use),
+            sources * (n / 2 + scale_bytes) + (n + scale_bytes) * 2 + n / 2 + scale_bytes,
+        ),
+        "dequant_reduce (2 sources, bf16 out)": (
+            lambda use: ops.dequant_reduce(rq, rs, 4, G, 2.0, out, use_kernels=use),
+            sources * (n / 2 + scale_bytes) + 2 * n,
+        ),
+    }
+
+    def best(fn: Any, clock: Any = time.perf_counter) -> float:
+        fn()
+        t0 = clock()
+        fn()
+        return clock() - t0
+
+    results: dict[str, Any] = {"elements": n, "group_size": G, "compiled": built, "threads": {}}
+    for threads in sorted({1, torch.get_num_threads()}):
+        torch.set_num_threads(threads)
+        copy_t, times = [], {name: [] for name in kernels}
+        copy_cpu, cpu_times = [], {name: [] for name in kernels}
+        for _ in range(repeats):  # interleaved, so both see the same machine load
+            copy_t.append(best(lambda: dst.copy_(src)))
+            for name, (fn, _) in kernels.items():
+                times[name].append(best(lambda fn=fn: fn(True)))
+            if threads == 1:  # CPU time: what other jobs on a shared machine do not inflate
+                copy_cpu.append(best(lambda: dst.copy_(src), time.process_time))
+                for name, (fn, _) in kernels.items():
+                    cpu_times[name].append(best(lambda fn=fn: fn(True), time.process_time))
+        copy_bw = 2 * src.numel() * 4 / min(copy_t)
+        row: dict[str, Any] = {"stream_copy_GBps": copy_bw / 1e9, "kernels": {}}
+        for name, (fn, moved) in kernels.items():
+            bw = moved / min(times[name])
+            ref = moved / best(lambda fn=fn: fn(False))
+            row["kernels"][name] = {
+                "GBps": bw / 1e9,
+                "fraction_of_copy": bw / copy_bw,
+                "Gelem_per_s": n / min(times[name]) / 1e9,
+                "reference_GBps": ref / 1e9,
+            }
+            if threads == 1:
+                row["kernels"][name]["fraction_of_copy_cpu_time"] = (moved / min(cpu_times[name])) / (
+                    2 * src.numel() * 4 / min(copy_cpu)
+                )
+        results["threads"][threads] = row
+    return results
+
+
+# --------------------------------------------------------------------------------- convergence
+
+
+def _convergence_worker(runs: list[tuple[str, dict[str, Any] | None]], steps: int) -> list[dict[str, Any]]:
+    _skip_shm()
+    out = []
+    for name, loco in runs:
+        r = _train(2, steps, loco, micro_batch=16, evaluate=True)
+        r["name"] = name
+        out.append(r)
+    return out
+
+
+def bench_convergence(steps: int, world: int = 2) -> list[dict[str, Any]]:
+    from zerohooks.testing import run_distributed
+
+    runs: list[tuple[str, dict[str, Any] | None]] = [
+        ("bf16 all-reduce (DeepSpeed)", None),
+        ("LoCo 4-bit (defaults)", {}),
+        ("4-bit, no error feedback", {"error_feedback": False}),
+    ]
+    results = run_distributed(_convergence_worker, world, args=(runs, steps), timeout=7200)[0]
+    base = sum(results[0]["losses"][-10:]) / 10
+    rows = []
+    for r in results:
+        final = sum(r["losses"][-10:]) / 10
+        rows.append(
+            {
+                "run": r["name"],
+                "final_train_loss": final,
+                "vs_bf16": final / base - 1,
+                "val_loss": r["val_loss"],
+                "step_time_s": r["step_time_s"],
+                "losses": r["losses"],
+            }
+        )
+    return rows
+
+
+# --------------------------------------------------------------------------------------- report
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lines = [f"# LoCo benchmark ({res['meta']['date']}, {res['meta']['machine']})", ""]
+    if "bytes" in res:
+        lines += [
+            "## Gradient bytes per optimizer step (sent by all ranks), demo GPT "
+            f"({res['bytes'][0]['n_params'] / 1e6:.2f} M params), bf16 communication",
+            "",
+            "| ranks | topology | ZeRO | bf16 (DeepSpeed) | LoCo 4-bit | ratio (goal <= 0.27) | LoCo per collective |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in res["bytes"]:
+            per = ", ".join(f"{k[5:]} {v / 1e6:.2f} MB" for k, v in r["loco_wire_by_collective"].items())
+            lines.append(
+                f"| {r['ranks']} | {r['topology']} | {r['zero_stage']} | {r['bf16_wire_bytes_per_step'] / 1e6:.2f} MB | "
+                f"{r['loco_wire_bytes_per_step'] / 1e6:.2f} MB | **{r['ratio']:.3f}** | {per} |"
+            )
+        lines.append("")
+    if "kernels" in res:
+        k = res["kernels"]
+        lines += [
+            f"## CPU kernels, {k['elements'] / 2**20:.0f} M elements, group {k['group_size']} "
+            f"(compiled: {k['compiled']}); bytes read + written per second",
+            "",
+            "| threads | kernel | GB/s | G elem/s | STREAM copy GB/s | fraction of copy (goal >= 0.5) | same, CPU time | reference GB/s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for threads, row in k["threads"].items():
+            for name, v in row["kernels"].items():
+                cpu = v.get("fraction_of_copy_cpu_time")
+                lines.append(
+                    f"| {threads} | {name} | {v['GBps']:.2f} | {v['Gelem_per_s']:.2f} | {row['stream_copy_GBps']:.2f} | "
+                    f"**{v['fraction_of_copy']:.2f}** | {'' if cpu is None else f'{cpu:.2f}'} | {v['reference_GBps']:.2f} |"
+                )
+        lines.append("")
+    if "convergence" in res:
+        c = res["convergence"]
+        lines += [
+            f"## Convergence: demo GPT, 2 ranks, ZeRO 2, {len(c[0]['losses'])} steps",
+            "",
+            "| run | final train loss (last 10) | vs bf16 (goal LoCo within 1%) | val loss | step time |",
+            "|---|---|---|---|---|",
+        ]
+        for r in c:
+            lines.append(
+                f"| {r['run']} | {r['final_train_loss']:.4f} | {100 * r['vs_bf16']:+.2f}% | {r['val_loss']:.4f} | "
+                f"{r['step_time_s']:.3f} s |"
+            )
+        lines.append("")
+    lines.append(f"Command: `{res['meta']['command']}`")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default="bytes,kernels,convergence", help="comma-separated sections")
+    p.add_argument("--steps", type=int, default=150, help="optimizer steps per convergence run")
+    p.add_argument("--no-4-ranks", action="store_true", help="skip the 4-rank byte counts")
+    args = p.parse_args(argv)
+    only = set(args.only.split(","))
+    res: dict[str, Any] = {
+        "meta": {
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}",
+            "command": "python benchmarks/bench_loco.py "
+            + " ".join(argv if argv is not None else sys.argv[1:]),
+        }
+    }
+    import torch
+
+    res["meta"]["torch"] = torch.__version__
+    t0 = time.time()
+    if "kernels" in only:
+        res["kernels"] = bench_kernels()
+        print(f"kernels done ({time.time() - t0:.0f} s)", flush=True)
+    if "bytes" in only:
+        res["bytes"] = bench_bytes(2, (1, 2, 3))
+        if not args.no_4_ranks:
+            res["bytes"] += bench_bytes(4, (3,))
+            res["bytes"] += bench_bytes(4, (3,), {"hierarchy": "two_level", "node_size": 2})
+        print(f"bytes done ({time.time() - t0:.0f} s)", flush=True)
+    if "convergence" in only:
+        res["convergence"] = bench_convergence(args.steps)
+        print(f"convergence done ({time.time() - t0:.0f} s)", flush=True)
+    res["meta"]["seconds"] = round(time.time() - t0)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "bench_loco.json").write_text(json.dumps(res, indent=1))
+    text = markdown(res)
+    (OUT / "bench_loco.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
