@@ -157,9 +157,10 @@ def main() -> None:
     payload = {"params": n_params, "args": vars(args), "step_time_s": res, "machine": os.uname().nodename}
     (OUT / "overhead.json").write_text(json.dumps(payload, indent=2))
     print(
-        "\n| ZeRO stage | DeepSpeed step (ms) | A/A control | zerohooks, no plugin | zerohooks + every hook |"
+        "\n| ZeRO stage | DeepSpeed step (ms) | A/A control | zerohooks, no plugin | zerohooks + every hook "
+        "| hook calls/step | cost/call (us) | dispatch share of step |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for stage, t in res.items():
         base = t["deepspeed"]
         cells = " | ".join(f"{t[v] * 1e3:.1f} ms ({t[v] / base:.3f}x)" for v in VARIANTS[1:])
