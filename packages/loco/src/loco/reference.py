@@ -9,8 +9,9 @@ Quantization (``bits`` 4 or 8, ``qmax`` 7 or 127), per group of ``G`` float32 va
   both divisions IEEE float32 (never reciprocal-then-multiply);
 * ``deQ(code) = code * scale``.
 
-4-bit codes are stored two per byte, ``(c[2i] + 8) | (c[2i+1] + 8) << 4``; 8-bit codes as the
-bytes of int8 values.  Every arithmetic step is one float32 operation in a fixed order (no fused
+4-bit codes are stored two per byte: in each group, byte ``j < G/2`` holds
+``(c[j] + 8) | (c[j + G/2] + 8) << 4`` (the two halves of the group side by side, which SIMD
+lanes and CUDA threads pack without shuffles); 8-bit codes are the bytes of int8 values.  Every arithmetic step is one float32 operation in a fixed order (no fused
 multiply-add), so the compiled kernels can be, and on CPU are, bitwise equal to this file.
 
 Error buffers ``e`` (same padded layout as the codes) are int8 codes with one fp32 scale per
@@ -64,21 +65,21 @@ def _codes_and_scale(x: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Te
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    c = codes.reshape(-1).to(torch.int32)
+    """Packed bytes of float codes [groups, G]."""
+    c = codes.to(torch.int32)
     if bits == 8:
-        return c.to(torch.int8).view(torch.uint8)
-    lo = (c[0::2] + 8).to(torch.uint8)
-    hi = (c[1::2] + 8).to(torch.uint8)
-    return lo | (hi << 4)
+        return c.reshape(-1).to(torch.int8).view(torch.uint8)
+    half = c.shape[1] // 2
+    return ((c[:, :half] + 8) | ((c[:, half:] + 8) << 4)).to(torch.uint8).reshape(-1)
 
 
-def _unpack(q: torch.Tensor, bits: int) -> torch.Tensor:
+def _unpack(q: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """Float codes of packed rows ``q`` [S, bytes] -> [S, elements]."""
     if bits == 8:
         return q.contiguous().view(torch.int8).to(torch.float32)
-    lo = (q & 15).to(torch.int32) - 8
-    hi = (q >> 4).to(torch.int32) - 8
-    return torch.stack([lo, hi], dim=-1).reshape(q.shape[0], -1).to(torch.float32)
+    b = q.reshape(q.shape[0], -1, group_size // 2).to(torch.int32)
+    codes = torch.cat([(b & 15) - 8, (b >> 4) - 8], dim=-1)
+    return codes.reshape(q.shape[0], -1).to(torch.float32)
 
 
 def encode(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +90,7 @@ def encode(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, t
 
 def decode(q: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """Float32 values of packed codes ``q`` [S, bytes] with scales [S, groups] -> [S, elements]."""
-    codes = _unpack(q, bits)
+    codes = _unpack(q, bits, group_size)
     s = codes.shape[0]
     return (codes.view(s, -1, group_size) * scale.reshape(s, -1, 1)).reshape(s, -1)
 
@@ -100,15 +101,6 @@ def _load_error(e: torch.Tensor, e_scale: torch.Tensor, group_size: int) -> torc
     return e.reshape(-1).to(torch.float32)
 
 
-def _store_error(
-    e_new: torch.Tensor, like: torch.Tensor, group_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if like.dtype == torch.int8:
-        codes, scale = _codes_and_scale(e_new.view(-1, group_size), QMAX[8])
-        return codes.reshape(-1).to(torch.int8), scale
-    return e_new.to(like.dtype), torch.empty(0, dtype=torch.float32, device=e_new.device)
-
-
 def _encode_ef(
     x: torch.Tensor,
     e: torch.Tensor,
@@ -117,16 +109,26 @@ def _encode_ef(
     beta: float,
     bits: int,
     group_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    codes, scale = _codes_and_scale(x.view(-1, group_size), QMAX[bits])
-    q = _pack(codes, bits)
+    q: torch.Tensor,
+    scale: torch.Tensor,
+) -> None:
+    codes, s = _codes_and_scale(x.view(-1, group_size), QMAX[bits])
+    q.copy_(_pack(codes, bits).view(q.shape))
+    scale.copy_(s.view(scale.shape))
     if e_prev is None:
-        empty = torch.empty(0, dtype=torch.float32, device=x.device)
-        return q, scale, e.new_empty(0), empty
-    residual = x.view(-1, group_size) - codes * scale[:, None]
+        return
+    residual = x.view(-1, group_size) - codes * s[:, None]
     e_new = (float(beta) * e_prev.view(-1, group_size) + float(1.0 - beta) * residual).reshape(-1)
-    e_out, e_scale_out = _store_error(e_new, e, group_size)
-    return q, scale, e_out, e_scale_out
+    if e.dtype == torch.int8:
+        e_codes, e_s = _codes_and_scale(e_new.view(-1, group_size), QMAX[8])
+        e.copy_(e_codes.reshape(-1).to(torch.int8))
+        e_scale.copy_(e_s)
+    else:
+        e.copy_(e_new)
+
+
+def _rows(t: torch.Tensor) -> int:
+    return t.shape[0] * t.shape[1] if t.dim() == 3 else t.shape[0]
 
 
 def quantize_ef(
@@ -137,15 +139,18 @@ def quantize_ef(
     bits: int,
     group_size: int,
     row_len: int,
-    nrows: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fused error feedback + quantization of ``g`` in the padded row layout.
+    q: torch.Tensor,
+    scale: torch.Tensor,
+) -> None:
+    """Error feedback + quantization of ``g`` in the padded row layout, written into ``q``/``scale``.
 
-    ``x = pad(g) + deQ(e)``; returns ``(q, scale, e_new, e_new_scale)`` with
-    ``e_new = beta * e + (1 - beta) * (x - deQ(q))`` stored like ``e``.  ``e`` empty: no error
-    feedback (``x = pad(g)``), and the returned error tensors are empty.
+    ``q`` ([rows, bytes] or [A, B, bytes], row ``r = a * B + b``) and ``scale`` (same shape with
+    ``cpad / G`` scales per row) receive the codes of ``x = pad(g) + deQ(e)``; ``e`` (and
+    ``e_scale`` for int8) is overwritten with ``beta * e + (1 - beta) * (x - deQ(q))``.  An
+    empty ``e`` means no error feedback (``x = pad(g)``).
     """
     cpad = padded_row_len(row_len, group_size)
+    nrows = _rows(q)
     flat = g.reshape(-1).to(torch.float32)
     n = flat.numel()
     if n > nrows * row_len:
@@ -156,7 +161,7 @@ def quantize_ef(
     if e.numel():
         e_prev = _load_error(e, e_scale, group_size)
         x = x + e_prev
-    return _encode_ef(x, e, e_scale, e_prev, beta, bits, group_size)
+    _encode_ef(x, e, e_scale, e_prev, beta, bits, group_size, q, scale)
 
 
 def _reduce(q: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
@@ -175,18 +180,20 @@ def dequant_reduce_requant(
     beta: float,
     bits: int,
     group_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    q_out: torch.Tensor,
+    scale_out: torch.Tensor,
+) -> None:
     """Sum ``S`` quantized rows (``q`` [S, bytes], ``scale`` [S, groups]), add the error, requantize.
 
-    ``x = sum_s deQ(q[s]) + deQ(e)``; returns ``(q2, scale2, e_new, e_new_scale)`` as
-    :func:`quantize_ef` does.
+    ``x = sum_s deQ(q[s]) + deQ(e)`` is quantized into ``q_out`` [R, bytes] / ``scale_out``
+    [R, groups] (R rows of whole groups); ``e`` is updated in place as in :func:`quantize_ef`.
     """
     x = _reduce(q, scale, bits, group_size)
     e_prev = None
     if e.numel():
         e_prev = _load_error(e, e_scale, group_size)
         x = x + e_prev
-    return _encode_ef(x, e, e_scale, e_prev, beta, bits, group_size)
+    _encode_ef(x, e, e_scale, e_prev, beta, bits, group_size, q_out, scale_out)
 
 
 def dequant_reduce(
