@@ -176,3 +176,21 @@ for _s in range(4):
 
 # --- plugin runs: one line per package -----------------------------------------------------
 add_run("accumdtype", {"accumdtype": {"dtype": "fp32"}})
+add_run(
+    "loco",
+    {"loco": {"bits": 4, "err_beta": 0.8, "reset_T": 1024}},
+    help="LoCo: 4-bit gradients with error feedback",
+)
+add_run(
+    "loco-noef", {"loco": {"error_feedback": False}}, help="4-bit gradients without error feedback (ablation)"
+)
+add_run(
+    "bf16comm",
+    lambda cfg: cfg.update(communication_data_type="bf16"),
+    help="DeepSpeed's reduction in bf16 (LoCo's baseline on fp32 CPUs)",
+)
+add_run(
+    "loco-2level",
+    {"loco": {"hierarchy": "two_level", "node_size": 2}},
+    help="LoCo two-level, 2-rank nodes (--nproc 4)",
+)

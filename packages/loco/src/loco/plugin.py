@@ -1,0 +1,237 @@
+"""The zerohooks plugin: LoCo owns the gradient collective of a DeepSpeed ZeRO engine."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from loco import comm, ops
+from loco.config import LocoConfig
+from loco.state import LocoState, after_step, begin_call, load_state_dict, state_dict
+from zerohooks import (
+    ConfigError,
+    GradientReducer,
+    PluginConfig,
+    ReduceBucket,
+    SetupContext,
+    StepContext,
+    ZeroPlugin,
+)
+from zerohooks.registry import HookRegistry
+
+__all__ = ["LocoPlugin", "LocoReducer", "param_key"]
+
+
+def param_key(param: Any, index: int, names: dict[int, str]) -> str:
+    """Error-buffer key of a ZeRO-3 parameter: its name in the model (stable across steps, engines
+    and runs), else DeepSpeed's ``ds_id`` (a per-process counter), else its place in the bucket."""
+    name = names.get(id(param))
+    if name is not None:
+        return f"p:{name}"
+    ds_id = getattr(param, "ds_id", None)
+    return f"p{ds_id}" if ds_id is not None else f"t{index}"
+
+
+class LocoReducer(GradientReducer):
+    """Owner of the gradient collective: quantized all-to-all reduction with error feedback.
+
+    ``topology(group)`` gives the :class:`~loco.comm.Topology` to use for a process group and
+    ``window()`` the current reduction window (``engine.micro_steps``: one backward pass).
+    """
+
+    def __init__(
+        self,
+        state: LocoState,
+        exact_below: int | None,
+        topology: Callable[[Any], comm.Topology],
+        window: Callable[[], int],
+    ) -> None:
+        self.state = state
+        self.exact_below = exact_below
+        self.topology = topology
+        self.window = window
+        self.names: dict[int, str] = {}
+        """id(parameter) -> its name in the model, for the ZeRO-3 keys (set by the plugin)."""
+
+    def _threshold(self, world: int) -> int:
+        return world * self.state.group_size if self.exact_below is None else self.exact_below
+
+    def reduce(self, bucket: ReduceBucket) -> list[torch.Tensor] | None:
+        state = self.state
+        topo = self.topology(bucket.group)
+        index = begin_call(state, self.window())
+        small = self._threshold(topo.world)
+        if bucket.op == "all_reduce":
+            (flat,) = bucket.tensors
+            divisor = float(bucket.world_size) if bucket.average else 1.0
+            if topo.world == 1 or flat.numel() < small:
+                comm.exact_all_reduce(state, topo, flat, divisor)
+            else:
+                comm.quantized_all_reduce(state, topo, flat, f"w{index}", divisor)
+            return None
+        tensors = list(bucket.tensors)
+        divisor = float(bucket.world_size)
+        if len(bucket.params) == len(tensors):
+            keys = [param_key(p, i, self.names) for i, p in enumerate(bucket.params)]
+        else:
+            keys = [f"w{index}.t{i}" for i in range(len(tensors))]
+        out: list[torch.Tensor | None] = [None] * len(tensors)
+        exact = [i for i, t in enumerate(tensors) if topo.world == 1 or t.numel() < small]
+        quant = [i for i in range(len(tensors)) if i not in set(exact)]
+        if exact:
+            parts = comm.exact_reduce_scatter(state, topo, [tensors[i] for i in exact], divisor)
+            for i, part in zip(exact, parts, strict=True):
+                out[i] = part
+        if quant:
+            parts = comm.quantized_reduce_scatter(
+                state, topo, [tensors[i] for i in quant], [keys[i] for i in quant], divisor
+            )
+            for i, part in zip(quant, parts, strict=True):
+                out[i] = part
+        return [t for t in out if t is not None]
+
+
+def _loss_scale(engine: Any) -> float | None:
+    """The engine's current loss scale (fp16; 1.0 for bf16/fp32 ZeRO), None when it has none."""
+    opt = getattr(engine, "optimizer", None)
+    for name in ("cur_scale", "loss_scale"):
+        try:
+            value = getattr(opt, name, None)
+        except Exception:  # some optimizers raise from the property when not in fp16 mode
+            value = None
+        if isinstance(value, (int, float)):
+            return float(value)
+    return None
+
+
+def _node_size(config: LocoConfig, world: int) -> int:
+    if config.node_size is not None:
+        return config.node_size
+    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        value = os.environ.get(var)
+        if value and value.isdigit() and int(value) > 0:
+            return int(value)
+    return world
+
+
+class LocoPlugin(ZeroPlugin):
+    """LoCo: 4-bit (or 8-bit) gradient communication with error feedback, ZeRO 0-3.
+
+    :attr:`state` is the algorithm state (error buffers, counters); :attr:`stats` counts, per
+    optimizer step, the bytes this rank hands to collectives and sends on the wire, next to
+    what a bf16 reduction of the same gradients would cost.
+    """
+
+    name = "loco"
+    distribution = "zerohooks-loco"
+    Config = LocoConfig
+
+    def __init__(self, config: PluginConfig | None = None) -> None:
+        super().__init__(config or LocoConfig())
+        assert isinstance(self.config, LocoConfig)
+        self.cfg: LocoConfig = self.config
+        self.state = LocoState(self.cfg)
+        self.engine: Any = None
+        self.kernels = False
+        self._topologies: dict[Any, comm.Topology] = {}
+        self._two_level: comm.Topology | None = None
+        self.reducer = LocoReducer(self.state, self.cfg.exact_below, self._topology, self._window)
+
+    @property
+    def stats(self) -> Any:
+        """Per-step byte counters (:class:`loco.state.CommStats`)."""
+        return self.state.stats
+
+    # -- setup -----------------------------------------------------------------------------------
+    def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
+        zero = ds_config.get("zero_optimization") or {}
+        if isinstance(zero, dict) and zero.get("zero_quantized_gradients"):
+            raise ConfigError(
+                "loco owns the gradient collective and replaces ZeRO++'s quantized gradients: remove "
+                "zero_optimization.zero_quantized_gradients (or the loco section)"
+            )
+
+    def attach(self, registry: HookRegistry, ctx: SetupContext) -> None:
+        self.state.keep_snapshots = ctx.train_dtype == torch.float16 and self.cfg.on_skip == "restore"
+        world = ctx.world_size
+        node = _node_size(self.cfg, world)
+        if self.cfg.hierarchy == "two_level" and (world % node or world // node < 2):
+            raise ConfigError(
+                f"loco.hierarchy is two_level but {world} ranks with node_size {node} make "
+                f"{world / node:g} node(s); set node_size to the ranks per node (at least 2 nodes)"
+            )
+        if self.cfg.kernels == "auto":
+            self.kernels = ops.load_distributed("cpu")
+            if _device_type() == "cuda":
+                self.kernels = ops.load_distributed("cuda")
+        registry.register_reducer(self.reducer, name=self.name)
+        registry.register_after_step(self._after_step, name=self.name)
+        registry.register_state(self, name=self.name)
+
+    def engine_ready(self, engine: Any, registry: HookRegistry) -> None:
+        self.engine = engine
+        self.state.loss_scale = _loss_scale(engine)
+        self.reducer.names = {id(p): n for n, p in engine.module.named_parameters()}
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        world = dist.get_world_size()
+        node = _node_size(self.cfg, world)
+        wants = self.cfg.hierarchy == "two_level" or (
+            self.cfg.hierarchy == "auto" and world % node == 0 and world // node > 1
+        )
+        if wants:
+            self._two_level = comm.two_level_topology(node)
+
+    def close(self) -> None:
+        self.state.buffers.clear()
+        self.state.workspaces.clear()
+        self.reducer.names = {}
+        self.engine = None
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def _window(self) -> int:
+        return int(self.engine.micro_steps) if self.engine is not None else 0
+
+    def _topology(self, group: Any) -> comm.Topology:
+        group = group if group is not None else dist.group.WORLD
+        topo = self._topologies.get(group)
+        if topo is None:
+            topo = comm.flat_topology(group)
+            two = self._two_level
+            if two is not None:
+                if topo.world == two.world:
+                    topo = two
+                elif "two_level" not in self.state.warned:
+                    self.state.warned.add("two_level")
+                    warnings.warn(
+                        "loco: a gradient group smaller than the world is reduced flat (one hop); "
+                        "two-level reduction covers the whole world only",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+            self._topologies[group] = topo
+        return topo
+
+    def _after_step(self, ctx: StepContext, skipped: bool) -> None:
+        after_step(self.state, skipped, _loss_scale(self.engine), ctx.global_step)
+
+    # -- checkpoint state ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return state_dict(self.state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load_state_dict(self.state, state)
+
+
+def _device_type() -> str:
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        return str(get_accelerator().device_name())
+    except Exception:
+        return "cuda" if torch.cuda.is_available() else "cpu"
