@@ -5,7 +5,16 @@ A run is a name and a function that edits the DeepSpeed config dict in place. Th
 command-line options; each run then edits its own copy. A plugin package joins the comparison
 with one line here::
 
-    add_run("accumdtype", {"accumdtype": {"dtype": "fp32"}})
+    add_run(
+    "accumdtype",
+    {"accumdtype": {"dtype": "fp32"}},
+    help="fp32 gradient accumulation and reduction (changes nothing for an fp32 model)",
+)
+add_run(
+    "ds-accum-fp32",
+    lambda cfg: cfg.update(data_types={"grad_accum_dtype": "fp32"}, communication_data_type="fp32"),
+    help="DeepSpeed's built-in fp32 accumulation and reduction (ZeRO 1-3; DeepSpeed raises on ZeRO 0)",
+)
 
 A dict is merged into the config (nested dicts merged key by key); each of its top-level keys
 is a zerohooks plugin section, and the run is reported as skipped, with the reason, when
@@ -175,7 +184,16 @@ for _s in range(4):
     add_run(f"zero{_s}", _stage(_s), help=f"ZeRO stage {_s} (overrides --stage)")
 
 # --- plugin runs: one line per package -----------------------------------------------------
-add_run("accumdtype", {"accumdtype": {"dtype": "fp32"}})
+add_run(
+    "accumdtype",
+    {"accumdtype": {"dtype": "fp32"}},
+    help="fp32 gradient accumulation and reduction (changes nothing for an fp32 model)",
+)
+add_run(
+    "ds-accum-fp32",
+    lambda cfg: cfg.update(data_types={"grad_accum_dtype": "fp32"}, communication_data_type="fp32"),
+    help="DeepSpeed's built-in fp32 accumulation and reduction (ZeRO 1-3; DeepSpeed raises on ZeRO 0)",
+)
 add_run(
     "loco",
     {"loco": {"bits": 4, "err_beta": 0.8, "reset_T": 1024}},

@@ -1,0 +1,161 @@
+"""``grad_accum`` / ``grad_reduc``: DeepSpeed PR #2847's two gradient tensors, per parameter.
+
+DeepSpeed names them as attributes of the parameter (``param.grad_accum``, ``param.grad_reduc``);
+accumdtype keeps no state on parameters, so they are functions of the engine and the parameter:
+
+=========  =====================================  ==========================================
+stage      ``grad_accum`` (accumulates)            ``grad_reduc`` (is reduced)
+=========  =====================================  ==========================================
+0          accumdtype's buffer (whole parameter)   the same buffer, at the boundary
+1          DeepSpeed's ``param.grad_accum``        the same tensor, at the boundary
+           (whole parameter, local sum); after
+           the boundary reduction this rank's
+           partition of the reduced gradient
+2          this rank's partition of the reduced    ``param.grad`` (each micro-step)
+           gradient (DeepSpeed's fp32 buffer)
+3          this rank's partition (DeepSpeed's      ``param.grad`` (each micro-step)
+           ``grad_partitions_flat_buffer``)
+=========  =====================================  ==========================================
+
+With the accumulation dtype equal to the model dtype both are ``param.grad`` on stages 0-2 (as in
+PR #2847); ZeRO 3 always accumulates in its partitions.  Partition tensors are flat: they cover
+the elements :func:`grad_accum_range` of the flattened parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import zerohooks
+from accumdtype.state import AccumState, buffer_of
+
+__all__ = ["accum_state", "accumulation_bytes", "grad_accum", "grad_accum_range", "grad_reduc"]
+
+_Z3_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+_INTERNALS = {
+    1: (
+        "_get_param_group_idx",
+        "_use_compact_grad_partition_buffer",
+        "averaged_gradients",
+        "grad_start_offset",
+        "grad_partition_insertion_offset",
+        "partition_size",
+        "real_dp_process_group",
+        "_get_compact_grad_partition_slice",
+        "get_param_id",
+    ),
+    3: (_Z3_PARTITIONS, "_get_param_partition_rank"),
+}
+_INTERNALS[2] = _INTERNALS[1]
+
+
+def check_internals(optimizer: Any, stage: int) -> None:
+    """Raise :class:`zerohooks.DeepSpeedInternalMissing` now, not at the first accessor call."""
+    import deepspeed
+
+    for name in _INTERNALS.get(stage, ()):
+        if not hasattr(optimizer, name):
+            raise zerohooks.DeepSpeedInternalMissing(
+                f"accumdtype needs {type(optimizer).__name__}.{name}, which DeepSpeed "
+                f"{deepspeed.__version__} does not have (supported: DeepSpeed {zerohooks.SUPPORTED_DEEPSPEED})"
+            )
+
+
+def accum_state(engine: Any) -> AccumState:
+    """The :class:`~accumdtype.state.AccumState` of an engine built with accumdtype enabled."""
+    att = zerohooks.attachment(engine)
+    for plugin in att.plugins if att is not None else ():
+        state = getattr(plugin, "state", None)
+        if isinstance(state, AccumState) and state.engine is engine:
+            return state
+    raise ValueError(
+        "this engine has no accumdtype attached: build it with zerohooks.initialize and an "
+        '"accumdtype" section in the DeepSpeed config'
+    )
+
+
+def _z12_partition(opt: Any, param: Any) -> tuple[torch.Tensor, int] | None:
+    """(this rank's slice of DeepSpeed's fp32 partition buffer, first element) or None."""
+    group = opt._get_param_group_idx(param)
+    if not opt._use_compact_grad_partition_buffer(group):
+        return None
+    built = opt.averaged_gradients.get(group)
+    if built is None or getattr(built, "flat_partition", None) is None:
+        return None  # nothing accumulated in this window yet (DeepSpeed builds it lazily)
+    param_id = opt.get_param_id(param)
+    rank = dist.get_rank(group=opt.real_dp_process_group[group])
+    starts = opt.grad_start_offset[group][rank]
+    if param_id not in starts:
+        return None  # no element of this parameter is in this rank's partition
+    source = int(starts[param_id])
+    dest = int(opt.grad_partition_insertion_offset[group][rank][param_id])
+    numel = min(param.numel() - source, int(opt.partition_size[group]) - dest)
+    return opt._get_compact_grad_partition_slice(group, rank, param_id, numel), source
+
+
+def _z3_partition(opt: Any, param: Any) -> tuple[torch.Tensor, int] | None:
+    partition = getattr(opt, _Z3_PARTITIONS)[param.ds_id]
+    size = param.partition_numel()
+    start = opt._get_param_partition_rank(param) * size
+    valid = max(0, min(size, param.ds_numel - start))
+    if valid == 0:
+        return None
+    return partition.narrow(0, 0, valid), start
+
+
+def _locate(engine: Any, param: Any) -> tuple[torch.Tensor | None, int]:
+    state = accum_state(engine)
+    plan = state.plan
+    if plan.stage == 3:
+        found = _z3_partition(engine.optimizer, param)
+        return (None, 0) if found is None else found
+    if plan.stage == 0:
+        buf = buffer_of(state, param)
+        return (param.grad if buf is None else buf), 0
+    if not plan.separate:
+        return param.grad, 0
+    if plan.stage == 1 and getattr(param, "grad_accum", None) is not None:
+        return param.grad_accum, 0
+    found = _z12_partition(engine.optimizer, param)
+    return (None, 0) if found is None else found
+
+
+def grad_accum(engine: Any, param: Any) -> torch.Tensor | None:
+    """The tensor that holds this rank's accumulated gradient of ``param`` (see the table above).
+
+    None when nothing is accumulated yet, or when this rank holds no part of ``param``.
+    """
+    return _locate(engine, param)[0]
+
+
+def grad_accum_range(engine: Any, param: Any) -> tuple[int, int]:
+    """``(start, stop)``: the elements of ``param.flatten()`` that :func:`grad_accum` covers."""
+    tensor, start = _locate(engine, param)
+    return (start, start) if tensor is None else (start, start + tensor.numel())
+
+
+def grad_reduc(engine: Any, param: Any) -> torch.Tensor | None:
+    """The tensor the next reduction of ``param`` hands to the collective (see the table above)."""
+    state = accum_state(engine)
+    plan = state.plan
+    if plan.stage == 0:
+        buf = buffer_of(state, param)
+        return param.grad if buf is None else buf
+    tensor: torch.Tensor | None = (
+        getattr(param, "grad_accum", None) if plan.stage == 1 and plan.separate else param.grad
+    )
+    return tensor
+
+
+def accumulation_bytes(engine: Any) -> int:
+    """Bytes of the accumulation tensors on this rank (parameter elements only, no padding)."""
+    state = accum_state(engine)
+    total = 0
+    for param in state.params:
+        tensor = grad_accum(engine, param)
+        if tensor is not None:
+            total += tensor.numel() * tensor.element_size()
+    return total

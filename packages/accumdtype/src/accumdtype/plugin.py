@@ -1,0 +1,170 @@
+"""The accumdtype zerohooks plugin: wires the plan of :mod:`accumdtype.config` to the hooks."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import zerohooks
+from accumdtype.access import check_internals
+from accumdtype.checkpoint import AccumCheckpoint, check_save
+from accumdtype.config import AccumDtypeConfig, Plan, apply_plan, make_plan
+from accumdtype.state import AccumState, accumulate, end_window, hand_to_optimizer, reduction_tensor
+from zerohooks import PluginConfig, SetupContext, StepContext, ZeroPlugin
+from zerohooks.hookspec import AfterStepHook, BeforeStepHook, MicroStepGradHook, ReduceTensorHook
+from zerohooks.initialize import setup_context
+from zerohooks.registry import HookRegistry
+
+__all__ = ["FIRST", "LAST", "AccumDtypePlugin"]
+
+FIRST = -1000
+"""Order of the hooks that must run before other plugins' (the tensor to reduce is accumdtype's
+baseline, which a compressing plugin may deliberately transform; the gradients handed to the
+optimizer must be in place before others look at them)."""
+LAST = 1000
+"""Order of the hooks that must run after other plugins' (taking over ``param.grad`` at a
+micro-step; zeroing the buffers after the step)."""
+
+_OPT12 = "DeepSpeedZeroOptimizer"
+
+
+class AccumDtypePlugin(ZeroPlugin):
+    """Gradient accumulation and reduction dtypes independent of the model dtype."""
+
+    name = "accumdtype"
+    distribution = "zerohooks-accumdtype"
+    Config = AccumDtypeConfig
+
+    def __init__(self, config: PluginConfig | None = None) -> None:
+        super().__init__(config or AccumDtypeConfig())
+        self.plan: Plan | None = None
+        """Decided in :meth:`edit_deepspeed_config`."""
+        self.state: AccumState | None = None
+        """The engine's state, created in :meth:`attach`."""
+
+    @property
+    def cfg(self) -> AccumDtypeConfig:
+        assert isinstance(self.config, AccumDtypeConfig)
+        return self.config
+
+    # -- before DeepSpeed ---------------------------------------------------------------------
+    def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
+        self.plan = make_plan(self.cfg, setup_context(ds_config))
+        apply_plan(self.plan, ds_config)
+
+    def attach(self, registry: HookRegistry, ctx: SetupContext) -> None:
+        plan = self.plan
+        if plan is None or plan.stage != ctx.zero_stage:
+            raise RuntimeError(
+                "accumdtype: attach() before edit_deepspeed_config() (use zerohooks.initialize)"
+            )
+        state = self.state = AccumState(plan)
+        name = self.name
+        if plan.mechanism == "own":
+            registry.register_micro_step_grad(_micro_step(state), name=name, order=LAST)
+            registry.register_reduce_tensor(_reduce_tensor(state), name=name, order=FIRST)
+            registry.register_before_step(_before_step(state), name=name, order=FIRST)
+            registry.register_after_step(_after_step(state), name=name, order=LAST)
+        if plan.wide_ipg_buffer:
+            registry.register_reduce_tensor(_z2_bypass_tensor(state), name=name, order=FIRST)
+        registry.register_state(AccumCheckpoint(state), name=name)
+
+    # -- DeepSpeed built the engine -------------------------------------------------------------
+    def engine_ready(self, engine: Any, registry: HookRegistry) -> None:
+        plan, state = self.plan, self.state
+        assert plan is not None and state is not None
+        att = zerohooks.attachment(engine)
+        assert att is not None
+        state.bind(engine, engine.module.parameters(), own_buffers=plan.mechanism == "own")
+        opt = engine.optimizer
+        check_internals(opt, plan.stage)
+        if plan.mechanism == "deepspeed_flag":
+            # What DeepSpeedZeroOptimizer's constructor sets for gradient_accumulation_dtype=fp32
+            # (it is only asked to for fp16 models: for bf16 DeepSpeed builds BF16_Optimizer).
+            att.patch(opt, "gradient_accumulation_dtype", lambda _: plan.accum_dtype, _OPT12)
+            att.patch(opt, "use_separate_grad_accum", lambda _: True, _OPT12)
+            att.patch(opt, "use_grad_accum_attribute", lambda _: True, _OPT12)
+        if plan.wide_ipg_buffer:
+            att.patch(opt, "_gradient_reduction_buffer_dtype", _wide_buffer(plan.reduce_dtype), _OPT12)
+        att.patch(engine, "save_checkpoint", _guarded_save(state), "DeepSpeedEngine")
+        if plan.warnings and engine.global_rank == 0:
+            for text in plan.warnings:
+                warnings.warn(f"accumdtype: {text}", RuntimeWarning, stacklevel=2)
+
+    def close(self) -> None:
+        if self.state is not None:
+            self.state.release()
+
+
+# -- hook factories: each closes over the state and calls a pure function -----------------------
+def _micro_step(state: AccumState) -> MicroStepGradHook:
+    def micro_step_grad(param: torch.nn.Parameter, ctx: StepContext) -> None:
+        accumulate(state, param)
+
+    return micro_step_grad
+
+
+def _reduce_tensor(state: AccumState) -> ReduceTensorHook:
+    def reduce_tensor(param: torch.nn.Parameter, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return reduction_tensor(state, param, tensor)
+
+    return reduce_tensor
+
+
+def _before_step(state: AccumState) -> BeforeStepHook:
+    def before_step(ctx: StepContext) -> None:
+        hand_to_optimizer(state)
+
+    return before_step
+
+
+def _after_step(state: AccumState) -> AfterStepHook:
+    def after_step(ctx: StepContext, skipped: bool) -> None:
+        end_window(state)
+
+    return after_step
+
+
+def _z2_bypass_tensor(state: AccumState) -> ReduceTensorHook:
+    """ZeRO 2: gradients that skip the (widened) contiguous bucket are reduced from a wide copy.
+
+    DeepSpeed divides the tensor it reduces by the world size in that tensor's dtype before
+    converting it to the communication dtype; for a 16-bit gradient that rounds every
+    micro-step unless the world size is a power of two.
+    """
+    reduce = state.plan.reduce_dtype
+
+    def reduce_tensor(param: torch.nn.Parameter, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        opt = state.engine.optimizer if state.engine is not None else None
+        if tensor is None or opt is None or tensor.dtype.itemsize >= reduce.itemsize:
+            return tensor
+        if opt.contiguous_gradients and param.numel() <= opt.reduce_bucket_size:
+            return tensor  # staged in the widened bucket buffer
+        return tensor.to(reduce)
+
+    return reduce_tensor
+
+
+def _wide_buffer(dtype: torch.dtype) -> Callable[[Callable[[], torch.dtype]], Callable[[], torch.dtype]]:
+    def make(original: Callable[[], torch.dtype]) -> Callable[[], torch.dtype]:
+        def _gradient_reduction_buffer_dtype() -> torch.dtype:
+            own = original()
+            return dtype if dtype.itemsize > own.itemsize else own
+
+        return _gradient_reduction_buffer_dtype
+
+    return make
+
+
+def _guarded_save(state: AccumState) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            check_save(state)
+            return original(*args, **kwargs)
+
+        return save_checkpoint
+
+    return make
