@@ -5,16 +5,7 @@ A run is a name and a function that edits the DeepSpeed config dict in place. Th
 command-line options; each run then edits its own copy. A plugin package joins the comparison
 with one line here::
 
-    add_run(
-    "accumdtype",
-    {"accumdtype": {"dtype": "fp32"}},
-    help="fp32 gradient accumulation and reduction (changes nothing for an fp32 model)",
-)
-add_run(
-    "ds-accum-fp32",
-    lambda cfg: cfg.update(data_types={"grad_accum_dtype": "fp32"}, communication_data_type="fp32"),
-    help="DeepSpeed's built-in fp32 accumulation and reduction (ZeRO 1-3; DeepSpeed raises on ZeRO 0)",
-)
+    add_run("myplugin", {"myplugin": {"level": 2}}, help="what the run shows")
 
 A dict is merged into the config (nested dicts merged key by key); each of its top-level keys
 is a zerohooks plugin section, and the run is reported as skipped, with the reason, when
