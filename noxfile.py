@@ -466,25 +466,22 @@ def build(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """python benchmarks/run_all.py [posargs] with every package installed."""
-    script = ROOT / "benchmarks" / "run_all.py"
-    if not script.is_file():
-        session.skip("benchmarks/run_all.py does not exist yet")
-    _prepare(session)
-    req = ROOT / "benchmarks" / "requirements.txt"
-    _install(session, *(["-r", str(req)] if req.is_file() else []), local=PACKAGES)
-    _check_install(session, PACKAGES, isolated=False)
-    _use_jit_dir(session)
-    session.run("python", str(script.relative_to(ROOT)), *session.posargs)
+    _run_script(session, "benchmarks", "run_all.py")
 
 
 @nox.session
 def demo(session: nox.Session) -> None:
     """python examples/train_gpt.py [posargs], e.g. `nox -s demo -- --stage 3 --plugins loco`."""
-    script = ROOT / "examples" / "train_gpt.py"
+    _run_script(session, "examples", "train_gpt.py")
+
+
+def _run_script(session: nox.Session, folder: str, name: str) -> None:
+    """Every package plus ``<folder>/requirements.txt`` installed, then ``python <folder>/<name>``."""
+    script = ROOT / folder / name
     if not script.is_file():
-        session.skip("examples/train_gpt.py does not exist yet")
+        session.skip(f"{folder}/{name} does not exist yet")
     _prepare(session)
-    req = ROOT / "examples" / "requirements.txt"
+    req = ROOT / folder / "requirements.txt"
     _install(session, *(["-r", str(req)] if req.is_file() else []), local=PACKAGES)
     _check_install(session, PACKAGES, isolated=False)
     _use_jit_dir(session)

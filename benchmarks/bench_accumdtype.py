@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from _models import make_model
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(__file__).resolve().parent / "out"
@@ -48,22 +48,6 @@ FIDELITY = {
         "communication_data_type": "fp32",
     },
 }
-
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 4 * d)
-        self.fc2 = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
-
-
-def make_model(d: int, layers: int) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*[Block(d) for _ in range(layers)], nn.LayerNorm(d), nn.Linear(d, 16))
 
 
 def _config(stage: int, offload: bool, gas: int) -> dict[str, Any]:

@@ -20,28 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from _models import make_model
 
 OUT = Path(__file__).resolve().parent / "out"
 # "deepspeed (A/A)" is a second, identical raw DeepSpeed engine: its ratio to the first is the noise
 # floor of the measurement (engines created later in the same process, cache effects).
 VARIANTS = ("deepspeed", "deepspeed (A/A)", "zerohooks", "zerohooks+all-hooks")
-
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 4 * d)
-        self.fc2 = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
-
-
-def make_model(d: int, layers: int) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*[Block(d) for _ in range(layers)], nn.LayerNorm(d), nn.Linear(d, 16))
 
 
 def _config(stage: int) -> dict[str, Any]:

@@ -14,34 +14,33 @@ import os
 from typing import Any
 
 import torch
-from torch import nn
 
 from zerohooks import PluginConfig, StepContext, ZeroPlugin
 from zerohooks.registry import HookRegistry
+from zerohooks.testing import toy
+from zerohooks.testing.toy import DTYPES, full_params, loss_fn, make_model
+from zerohooks.testing.toy import full_grads as full_grads_now
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+__all__ = [
+    "DTYPES",
+    "FP16_SCALE",
+    "Probe",
+    "all_two_rank_scenarios",
+    "batch",
+    "ds_config",
+    "full_grads_now",
+    "full_params",
+    "grad_scale",
+    "loss_fn",
+    "make_model",
+    "micro_step",
+    "reference_grads",
+    "rel_error",
+    "train",
+]
+
 FP16_SCALE = 128.0
 """Static loss scale of the fp16 configs (gradients at the boundary are scaled by it)."""
-
-
-class TinyNet(nn.Module):
-    """Embedding, Linear, LayerNorm, GELU, Linear (about 2.5k parameters)."""
-
-    def __init__(self, vocab: int = 32, width: int = 24, out: int = 8) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, width)
-        self.fc1 = nn.Linear(width, 2 * width)
-        self.norm = nn.LayerNorm(2 * width)
-        self.fc2 = nn.Linear(2 * width, out)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.emb(tokens).mean(dim=1)
-        return self.fc2(nn.functional.gelu(self.norm(self.fc1(h))))
-
-
-def make_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return TinyNet()
 
 
 def ds_config(
@@ -52,34 +51,16 @@ def ds_config(
     accum: dict[str, Any] | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """A DeepSpeed config; ``accum`` is the accumdtype section (None: no section)."""
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": gas,
-        "steps_per_print": 10**9,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-        "zero_optimization": {"stage": stage},
-    }
-    if offload:
-        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-        cfg["zero_force_ds_cpu_optimizer"] = False
-    if dtype == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    elif dtype == "fp16":
-        cfg["fp16"] = {"enabled": True, "loss_scale": FP16_SCALE}
-    if accum is not None:
-        cfg["accumdtype"] = accum
-    cfg.update(extra)
-    return cfg
+    """zerohooks.testing.toy's config, bf16 by default, fp16 with the static scale
+    :data:`FP16_SCALE`; ``accum`` is the accumdtype section (None: no section)."""
+    sections = None if accum is None else {"accumdtype": accum}
+    return toy.ds_config(
+        stage, dtype, offload, gas, fp16={"loss_scale": FP16_SCALE}, sections=sections, **extra
+    )
 
 
 def batch(step: int, micro: int, rank: int, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100_000 * step + 10 * micro + rank)
-    return torch.randint(0, 32, (n, 6), generator=g), torch.randint(0, 8, (n,), generator=g)
-
-
-def loss_fn(model: Any, tokens: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(model(tokens).float(), target)
+    return toy.batch(step, micro, rank, n, stride=100_000)
 
 
 def micro_step(engine: Any, step: int, micro: int) -> float:
@@ -164,29 +145,6 @@ class Probe(ZeroPlugin):
             self.dtypes.add(g.dtype)
             out[n] = g.detach().double().clone()
         self.grads.append(out)
-
-
-def full_grads_now(engine: Any) -> dict[str, torch.Tensor]:
-    """``safe_get_full_grad`` of every parameter (for engines built without zerohooks)."""
-    from deepspeed.utils import safe_get_full_grad
-
-    return {n: safe_get_full_grad(p).detach().double().clone() for n, p in engine.module.named_parameters()}
-
-
-def full_params(engine: Any, stage: int) -> list[torch.Tensor]:
-    """Every parameter (gathered on ZeRO 3), plus the fp32 masters where DeepSpeed keeps them."""
-    import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    params = list(engine.module.parameters())
-    if stage == 3:
-        with deepspeed.zero.GatheredParameters(params):
-            out = [p.detach().clone() for p in params]
-    else:
-        out = [p.detach().clone() for p in params]
-    if stage > 0:
-        out += [safe_get_full_fp32_param(p).detach().clone() for p in params]
-    return out
 
 
 def all_two_rank_scenarios(tmp: str) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from loco import reference
+from zerohooks.testing import toy
 
 REPO = Path(__file__).resolve().parents[3]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,58 +51,20 @@ def quantize_outputs(nrows: int, row_len: int, bits: int, group: int) -> tuple[t
 # ---- models and DeepSpeed configs -----------------------------------------------------------------
 
 
-class TinyNet(nn.Module):
-    """Embedding, two Linear layers large enough for quantized buckets, LayerNorm (small tensors)."""
-
-    def __init__(self, vocab: int = 64, width: int = 64) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, width)
-        self.fc1 = nn.Linear(width, 4 * width)
-        self.norm = nn.LayerNorm(4 * width)
-        self.fc2 = nn.Linear(4 * width, 8)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.emb(tokens).mean(dim=1)
-        return self.fc2(nn.functional.gelu(self.norm(self.fc1(h))))
+MODEL = {"vocab": 64, "width": 64, "mult": 4}
+"""zerohooks.testing.toy's TinyNet, widened so its Linear layers fill quantized buckets."""
 
 
 def make_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return TinyNet()
+    return toy.make_model(seed, **MODEL)
 
 
 def ds_config(stage: int, dtype: str = "fp32", gas: int = 2, **extra: Any) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": gas,
-        "steps_per_print": 10**9,
-        "optimizer": {"type": "AdamW", "params": {"lr": 5e-3, "torch_adam": True}},
-        "zero_optimization": {"stage": stage},
-    }
-    if dtype == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    elif dtype == "fp16":
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}
-    cfg.update(extra)
-    return cfg
-
-
-def batch(step: int, micro: int, rank: int, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
-    return torch.randint(0, 64, (n, 6), generator=g), torch.randint(0, 8, (n,), generator=g)
+    return toy.ds_config(stage, dtype, gas=gas, lr=5e-3, **extra)
 
 
 def train(engine: Any, steps: int, gas: int, first: int = 0) -> list[float]:
-    rank = int(os.environ.get("RANK", "0"))
-    losses = []
-    for s in range(first, first + steps):
-        for m in range(gas):
-            tokens, target = batch(s, m, rank)
-            loss = nn.functional.cross_entropy(engine(tokens).float(), target)
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss.detach()))
-    return losses
+    return toy.train(engine, steps, gas, first, vocab=MODEL["vocab"])
 
 
 def load_demo_modules() -> tuple[Any, Any] | None:

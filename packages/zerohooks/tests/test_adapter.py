@@ -9,7 +9,6 @@ import time
 import deepspeed
 import pytest
 import torch
-from _common import ds_config, full_params, make_model, train
 
 import zerohooks
 from zerohooks import ConfigError, DeepSpeedInternalMissing
@@ -18,6 +17,7 @@ from zerohooks.initialize import setup_context
 from zerohooks.registry import HookRegistry
 from zerohooks.testing import MultiRankError, distributed, run_distributed
 from zerohooks.testing.recording import RecordingPlugin
+from zerohooks.testing.toy import ds_config, full_params, make_model, train
 
 
 def _snapshot(obj) -> dict:

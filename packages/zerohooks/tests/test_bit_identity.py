@@ -7,10 +7,10 @@ import itertools
 import deepspeed
 import pytest
 import torch
-from _common import ds_config, full_params, make_model, train
 
 import zerohooks
 from zerohooks.testing import distributed
+from zerohooks.testing.toy import ds_config, full_params, make_model, train
 
 CASES = [
     (stage, dtype, offload)

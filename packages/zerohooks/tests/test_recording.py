@@ -7,11 +7,11 @@ import os
 import deepspeed
 import pytest
 import torch
-from _common import batch, ds_config, full_params, loss_fn, make_model, train
 
 import zerohooks
 from zerohooks.testing import distributed
 from zerohooks.testing.recording import RecordingPlugin
+from zerohooks.testing.toy import batch, ds_config, full_params, loss_fn, make_model, train
 
 STEPS, GAS = 2, 2
 

@@ -9,11 +9,11 @@ from typing import Any
 import deepspeed
 import pytest
 import torch
-from _common import ds_config, full_params
 
 import zerohooks
 from zerohooks import SwapOwner, ZeroPlugin
 from zerohooks.testing import distributed
+from zerohooks.testing.toy import ds_config, full_params
 
 
 def _aio_available() -> bool:
