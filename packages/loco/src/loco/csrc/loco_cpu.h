@@ -459,6 +459,90 @@ inline void reduce_group(const Rows& rows, int64_t gi, int64_t G, float* __restr
   }
 }
 
+#if LOCO_AVX2
+// Sums over the S rows of deQ for 16 elements of 4-bit group gi: elements j..j+8 (low nibbles of
+// bytes j..j+8) into lo and j+H..j+H+8 (high nibbles) into hi, H = G/2.  Rows are added in order
+// starting from +0, with the same float32 multiply and add as reduce_group, kept in registers.
+inline void reduce16_4bit(const Rows& rows, int64_t gi, int64_t H, int64_t j, __m256& lo, __m256& hi) {
+  const __m256i fifteen = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+  lo = _mm256_setzero_ps();
+  hi = _mm256_setzero_ps();
+  const uint8_t* p = rows.q + gi * H + j;
+  const float* f = rows.scale + gi;
+  for (int64_t s = 0; s < rows.S; ++s, p += rows.q_stride, f += rows.s_stride) {
+    const __m256 vf = _mm256_broadcast_ss(f);
+    const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256 l = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(w, fifteen), eight));
+    const __m256 h = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(w, 4), eight));
+    lo = _mm256_add_ps(lo, _mm256_mul_ps(l, vf));
+    hi = _mm256_add_ps(hi, _mm256_mul_ps(h, vf));
+  }
+}
+
+// 8 float32 lanes -> bfloat16 (round to nearest even, NaN -> 0x7fc0, as to_bf16) in the low
+// 16 bits of each int32 lane
+inline __m256i bf16_lanes(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(kAbsMask))),
+                                         _mm256_set1_epi32(static_cast<int>(kInfBits)));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+}
+
+// x = sum over rows of deQ (4-bit group gi) + deQ(e), ep = deQ(e); returns the max bits of |x|
+// (reduce_group then fuse_x, with the sums kept in registers)
+template <int EK>
+inline uint32_t fuse_reduce4(const Rows& rows, const ErrBuf& e, int64_t gi, int64_t G, float* __restrict x,
+                             float* __restrict ep) {
+  const __m256i absm = _mm256_set1_epi32(static_cast<int>(kAbsMask));
+  const __m256 vs = _mm256_set1_ps(EK == kErrInt8 ? e.scale[gi] : 0.f);
+  const int64_t H = G / 2;
+  __m256i vmax = _mm256_setzero_si256();
+  for (int64_t j = 0; j < H; j += 8) {
+    __m256 v[2];
+    reduce16_4bit(rows, gi, H, j, v[0], v[1]);
+    for (int h = 0; h < 2; ++h) {
+      const int64_t i = j + h * H;
+      if constexpr (EK != kErrNone) {
+        const __m256 pe = err8<EK>(e, gi * G + i, vs);
+        _mm256_storeu_ps(ep + i, pe);
+        v[h] = _mm256_add_ps(v[h], pe);
+      }
+      _mm256_storeu_ps(x + i, v[h]);
+      vmax = _mm256_max_epu32(vmax, _mm256_and_si256(_mm256_castps_si256(v[h]), absm));
+    }
+  }
+  return hmax_u32(vmax);
+}
+
+inline uint32_t fuse_reduce4_any(const Rows& rows, const ErrBuf& e, int64_t gi, int64_t G, float* x, float* ep) {
+  switch (e.kind) {
+    case kErrInt8: return fuse_reduce4<kErrInt8>(rows, e, gi, G, x, ep);
+    case kErrBF16: return fuse_reduce4<kErrBF16>(rows, e, gi, G, x, ep);
+    case kErrF32: return fuse_reduce4<kErrF32>(rows, e, gi, G, x, ep);
+    default: return fuse_reduce4<kErrNone>(rows, e, gi, G, x, ep);
+  }
+}
+
+// store 8 float32 values at element i of a float32 / bfloat16 / float16 array (as store_run)
+template <int DT>
+inline void store8(void* dst, int64_t i, __m256 v) {
+  if constexpr (DT == kF32) {
+    _mm256_storeu_ps(static_cast<float*>(dst) + i, v);
+  } else {
+    __m128i h;
+    if constexpr (DT == kBF16) {
+      const __m256i b = bf16_lanes(v);
+      h = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+    } else {
+      h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(dst) + i), h);
+  }
+}
+#endif
+
 // ---- whole operators; parallel(ngroups, fn(begin, end)) runs groups, maybe on several threads ----
 
 // g (n elements) in rows of row_len, padded to cpad; row r's codes/scales go to dst row r
@@ -506,11 +590,17 @@ void dequant_reduce_requant(For&& parallel, const Rows& rows, int64_t M, int64_t
         const int64_t gi = gi0 + k;
         float* x = sc.x + k * G;
         float* ep = sc.ep + k * G;
-        reduce_group<BITS>(rows, gi, G, x);
 #if LOCO_AVX2
-        const float* acc = x;
-        sc.m[k] = fuse_x_any([acc](int64_t i) { return _mm256_loadu_ps(acc + i); }, e, gi, G, x, ep);
+        if constexpr (BITS == 4) {
+          // the sum stays in registers: x = sum + deQ(e) in one pass
+          sc.m[k] = fuse_reduce4_any(rows, e, gi, G, x, ep);
+        } else {
+          reduce_group<BITS>(rows, gi, G, x);
+          const float* acc = x;
+          sc.m[k] = fuse_x_any([acc](int64_t i) { return _mm256_loadu_ps(acc + i); }, e, gi, G, x, ep);
+        }
 #else
+        reduce_group<BITS>(rows, gi, G, x);
         if (e.kind != kErrNone) {
           load_err(e, gi, G, ep);
           for (int64_t i = 0; i < G; ++i) x[i] = x[i] + ep[i];
@@ -530,6 +620,23 @@ void dequant_reduce(For&& parallel, const Rows& rows, int64_t G, float divisor, 
   parallel((n_out + G - 1) / G, [&](int64_t begin, int64_t end) {
     alignas(64) float acc[kMaxGroup];
     for (int64_t gi = begin; gi < end; ++gi) {
+#if LOCO_AVX2
+      if (BITS == 4 && (gi + 1) * G <= n_out) {  // whole group: sum, divide, convert, store
+        const int64_t H = G / 2;
+        const __m256 vd = _mm256_set1_ps(divisor);
+        for (int64_t j = 0; j < H; j += 8) {
+          __m256 lo, hi;
+          reduce16_4bit(rows, gi, H, j, lo, hi);
+          if (divisor != 1.f) {
+            lo = _mm256_div_ps(lo, vd);
+            hi = _mm256_div_ps(hi, vd);
+          }
+          store8<DT>(out, gi * G + j, lo);
+          store8<DT>(out, gi * G + j + H, hi);
+        }
+        continue;
+      }
+#endif
       reduce_group<BITS>(rows, gi, G, acc);
       if (divisor != 1.f)
         for (int64_t i = 0; i < G; ++i) acc[i] = acc[i] / divisor;
