@@ -81,6 +81,22 @@ class Attachment:
             dtype = fn(param, dtype)
         return dtype
 
+    def patch_comm_dtype(self, opt: Any, tag: str) -> bool:
+        """Route ``opt.get_param_comm_dtype`` (ZeRO 1-3) through the ``reduce_dtype`` transforms.
+
+        Installs nothing and returns False when no ``reduce_dtype`` hook is registered."""
+        if not self.registry.reduce_dtype.frozen:
+            return False
+
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def get_param_comm_dtype(param: Any) -> torch.dtype:
+                return self.comm_dtype(param, original(param))
+
+            return get_param_comm_dtype
+
+        self.patch(opt, "get_param_comm_dtype", make, tag)
+        return True
+
     def reduce_tensor(self, param: Any, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """Apply the ``reduce_tensor`` transforms."""
         for fn in self.registry.reduce_tensor.frozen:

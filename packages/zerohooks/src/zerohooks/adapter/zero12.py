@@ -43,15 +43,7 @@ def install(att: Attachment) -> None:
 
         att.patch(opt, "process_gradients", make_process, _OPT)
 
-    if reg.reduce_dtype.frozen:
-
-        def make_dtype(original: Callable[..., Any]) -> Callable[..., Any]:
-            def get_param_comm_dtype(param: Any) -> torch.dtype:
-                return att.comm_dtype(param, original(param))
-
-            return get_param_comm_dtype
-
-        att.patch(opt, "get_param_comm_dtype", make_dtype, _OPT)
+    if att.patch_comm_dtype(opt, _OPT):
         _ensure_buckets(att, opt)
 
     if reg.reduce_tensor.frozen:

@@ -47,15 +47,7 @@ def _install_grad_hooks(att: Attachment, opt: Any) -> None:
 
         att.patch(opt, "reduce_ready_partitions_and_remove_grads", make_ready, _OPT)
 
-    if reg.reduce_dtype.frozen:
-
-        def make_dtype(original: Callable[..., Any]) -> Callable[..., Any]:
-            def get_param_comm_dtype(param: Any) -> torch.dtype:
-                return att.comm_dtype(param, original(param))
-
-            return get_param_comm_dtype
-
-        att.patch(opt, "get_param_comm_dtype", make_dtype, _OPT)
+    if att.patch_comm_dtype(opt, _OPT):
         _ensure_buckets(att, opt)
 
 
