@@ -97,7 +97,8 @@ class AutocastZeroConfig(PluginConfig):
     """float16 dynamic scaling: the first loss scale is ``2**initial_scale_power``."""
 
     loss_scale_window: int = pydantic.Field(default=1000, ge=1)
-    """float16 dynamic scaling: the scale doubles after this many steps without overflow."""
+    """float16 dynamic scaling: the scale doubles at each step preceded by a multiple of this many
+    steps without overflow (DeepSpeed's ``loss_scale_window`` rule)."""
 
     hysteresis: int = pydantic.Field(default=2, ge=1)
     """float16 dynamic scaling: overflowing steps tolerated before the scale halves (every one is

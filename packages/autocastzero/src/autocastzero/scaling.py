@@ -59,21 +59,29 @@ class ScaleState:
 
 
 def update(state: ScaleState, overflow: bool) -> None:
-    """Account one optimizer step (skipped when ``overflow``) and move the scale."""
+    """Account one optimizer step (skipped when ``overflow``) and move the scale.
+
+    The rule of DeepSpeed's fp16 ``DynamicLossScaler`` (``consecutive_hysteresis`` false), so
+    that an fp16 run keeps its scale trajectory when it moves to fp32 parameters: an overflow
+    halves the scale (not below ``min_scale``) once ``hysteresis`` overflows have been tolerated;
+    the scale doubles at a good step preceded by a positive multiple of ``window`` good steps
+    since the last overflow, which also refills the hysteresis.
+    """
     state.steps += 1
     if overflow:
         state.overflows += 1
         state.good_steps = 0
         if state.dynamic:
-            if state.hysteresis_left > 1:
-                state.hysteresis_left -= 1
-            else:
+            if state.hysteresis == 1 or state.hysteresis_left == 1:
                 state.scale = max(state.scale / 2.0, state.min_scale)
+            else:
+                state.hysteresis_left -= 1
         return
+    stable = state.good_steps
     state.good_steps += 1
-    if state.dynamic and state.good_steps % state.window == 0:
-        state.scale *= 2.0
+    if state.dynamic and stable > 0 and stable % state.window == 0:
         state.hysteresis_left = state.hysteresis
+        state.scale *= 2.0
 
 
 def save(state: ScaleState) -> dict[str, Any]:
