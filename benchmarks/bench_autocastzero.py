@@ -50,7 +50,13 @@ def _config(case: str, stage: int, micro_batch: int) -> dict[str, Any]:
         "gradient_accumulation_steps": 1,
         "optimizer": {
             "type": "AdamW",
-            "params": {"lr": 2e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "torch_adam": True},
+            "params": {
+                "lr": 2e-3,
+                "betas": [0.9, 0.95],
+                "eps": 1e-8,
+                "weight_decay": 0.1,
+                "torch_adam": True,
+            },
         },
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": stage},
@@ -86,7 +92,9 @@ def _live_tensor_bytes() -> int:
     return total
 
 
-def _run_case(case: str, stage: int, steps: int, warmup: int, micro_batch: int, model_kw: dict[str, int]) -> Any:
+def _run_case(
+    case: str, stage: int, steps: int, warmup: int, micro_batch: int, model_kw: dict[str, int]
+) -> Any:
     """Runs on every rank of one launch."""
     import resource
 
@@ -105,7 +113,9 @@ def _run_case(case: str, stage: int, steps: int, warmup: int, micro_batch: int, 
     torch.manual_seed(1234)
     model = GPT(GPTConfig(**model_kw))
     init = zerohooks.initialize if case == "autocastzero" else deepspeed.initialize
-    engine, *_ = init(model=model, model_parameters=model.parameters(), config=_config(case, stage, micro_batch))
+    engine, *_ = init(
+        model=model, model_parameters=model.parameters(), config=_config(case, stage, micro_batch)
+    )
     corpus = ByteCorpus.load(train_bytes=2 << 20, val_bytes=1 << 16)
     sampler = BatchSampler(corpus.train, model_kw.get("seq_len", 128), micro_batch, 1234, rank)
     losses, times = [], []
@@ -143,8 +153,12 @@ def _run_case(case: str, stage: int, steps: int, warmup: int, micro_batch: int, 
 
 def _worker(rank: int, world: int, port: int, backend: str, args: tuple[Any, ...], q: Any) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
     )
     try:
         import torch
@@ -188,7 +202,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     cuda = args.device == "cuda"
     world = 1 if cuda else args.world
     backend = "nccl" if cuda else "gloo"
-    model_kw = {"n_layer": args.layers, "d_model": args.d_model, "n_head": args.heads, "seq_len": args.seq_len}
+    model_kw = {
+        "n_layer": args.layers,
+        "d_model": args.d_model,
+        "n_head": args.heads,
+        "seq_len": args.seq_len,
+    }
     runs: list[dict[str, Any]] = []
     for stage in args.stages:
         for rep in range(args.repeats):
@@ -227,23 +246,25 @@ def summary(res: dict[str, Any]) -> list[dict[str, Any]]:
         ds_times = sorted(r["step_s"] for r in by["ds_autocast"])
         mem_key = "peak_cuda_bytes" if res["device"] == "cuda" else "live_tensor_bytes"
         mem = {c: by[c][0][mem_key] for c in CASES}
-        rows.append({
-            "stage": stage,
-            "ds_autocast_ms": best["ds_autocast"] * 1e3,
-            "autocastzero_ms": best["autocastzero"] * 1e3,
-            "ds_bf16_ms": best["ds_bf16"] * 1e3,
-            "time_ratio": best["autocastzero"] / best["ds_autocast"],
-            "aa_ratio": ds_times[-1] / ds_times[0] if len(ds_times) > 1 else None,
-            "mem_metric": mem_key,
-            "mem_autocastzero": mem["autocastzero"],
-            "mem_ds_bf16": mem["ds_bf16"],
-            "mem_ds_autocast": mem["ds_autocast"],
-            "mem_ratio_vs_bf16": mem["autocastzero"] / mem["ds_bf16"],
-            "rss_autocastzero": by["autocastzero"][0]["peak_rss_bytes"],
-            "rss_ds_bf16": by["ds_bf16"][0]["peak_rss_bytes"],
-            "final_loss": {c: sum(by[c][0]["losses"][-5:]) / 5 for c in CASES},
-            "bytes_autocastzero": by["autocastzero"][0]["bytes"],
-        })
+        rows.append(
+            {
+                "stage": stage,
+                "ds_autocast_ms": best["ds_autocast"] * 1e3,
+                "autocastzero_ms": best["autocastzero"] * 1e3,
+                "ds_bf16_ms": best["ds_bf16"] * 1e3,
+                "time_ratio": best["autocastzero"] / best["ds_autocast"],
+                "aa_ratio": ds_times[-1] / ds_times[0] if len(ds_times) > 1 else None,
+                "mem_metric": mem_key,
+                "mem_autocastzero": mem["autocastzero"],
+                "mem_ds_bf16": mem["ds_bf16"],
+                "mem_ds_autocast": mem["ds_autocast"],
+                "mem_ratio_vs_bf16": mem["autocastzero"] / mem["ds_bf16"],
+                "rss_autocastzero": by["autocastzero"][0]["peak_rss_bytes"],
+                "rss_ds_bf16": by["ds_bf16"][0]["peak_rss_bytes"],
+                "final_loss": {c: sum(by[c][0]["losses"][-5:]) / 5 for c in CASES},
+                "bytes_autocastzero": by["autocastzero"][0]["bytes"],
+            }
+        )
     return rows
 
 
@@ -313,7 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = summary(res)
     res["summary"] = rows
     res["wall_s"] = time.monotonic() - t0
-    res["command"] = "python benchmarks/bench_autocastzero.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    res["command"] = "python benchmarks/bench_autocastzero.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
     OUT.mkdir(parents=True, exist_ok=True)
     name = "bench_autocastzero" + (f"_{args.tag}" if args.tag else "")
     (OUT / f"{name}.json").write_text(json.dumps(res, indent=1))

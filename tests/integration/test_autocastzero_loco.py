@@ -41,12 +41,20 @@ def _scenario() -> dict[str, Any]:
             losses = train(engine, STEPS, GAS)
             att = zerohooks.attachment(engine)
             assert att is not None
-            safe = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
-                       for p in m.parameters(recurse=False))
+            safe = sum(
+                p.numel()
+                for m in model.modules()
+                if isinstance(m, torch.nn.Linear)
+                for p in m.parameters(recurse=False)
+            )
             total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
             if stage == 3:
-                safe = sum(p.ds_numel for m in model.modules() if isinstance(m, torch.nn.Linear)
-                           for p in m.parameters(recurse=False))
+                safe = sum(
+                    p.ds_numel
+                    for m in model.modules()
+                    if isinstance(m, torch.nn.Linear)
+                    for p in m.parameters(recurse=False)
+                )
             out[f"z{stage}_{name}"] = {
                 "losses": losses,
                 "bytes": att.counters.total(),

@@ -79,8 +79,11 @@ def forward_weights_z3() -> dict[str, Any]:
     """ZeRO 3 without persistent parameters: per parameter, the largest difference between the
     weight the first forward computes with (as gathered) and the initial fp32 weight, rounded to
     bf16 and not."""
-    engine = build(3, {"autocastzero": {"dtype": "bfloat16"}}, zero_optimization={
-        "stage": 3, "stage3_param_persistence_threshold": 0})
+    engine = build(
+        3,
+        {"autocastzero": {"dtype": "bfloat16"}},
+        zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0},
+    )
     seen: dict[str, torch.Tensor] = {}
 
     def grab(module: torch.nn.Module, args: Any) -> None:

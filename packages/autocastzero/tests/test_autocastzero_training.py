@@ -42,7 +42,7 @@ def test_safe_modules_gradient_bytes_halve(two_ranks: list[dict[str, Any]], stag
     for rank in two_ranks:
         res = rank[f"bf16_z{stage}"]
         safe, total = res["numel"]
-        (coll, fp32_run), = res["fp32_bytes"].items()
+        ((coll, fp32_run),) = res["fp32_bytes"].items()
         ours = res["bytes"][coll]
         # the fp32 run hands every element to the collective k times, 4 bytes each
         k, rem = divmod(fp32_run["float32"], 4 * total)
@@ -55,7 +55,12 @@ def test_safe_modules_gradient_bytes_halve(two_ranks: list[dict[str, Any]], stag
 def test_zero3_gathers_safe_parameters_in_bf16(two_ranks: list[dict[str, Any]]) -> None:
     for rank in two_ranks:
         seen = rank["bf16_z3"]["forward_weights"]
-        assert {n for n, v in seen.items() if v["safe"]} == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+        assert {n for n, v in seen.items() if v["safe"]} == {
+            "fc1.weight",
+            "fc1.bias",
+            "fc2.weight",
+            "fc2.bias",
+        }
         for name, v in seen.items():
             assert v["dtype"] == "torch.float32", name  # the gathered parameter is fp32 again
             if v["safe"]:

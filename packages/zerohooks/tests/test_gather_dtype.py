@@ -34,13 +34,18 @@ def test_zero3_gather_dtype_set_and_removed() -> None:
         name = "gather_test"
 
         def attach(self, registry: Any, ctx: Any) -> None:
-            registry.register_gather_dtype(lambda p, d: torch.bfloat16 if id(p) in chosen else d, name=self.name)
+            registry.register_gather_dtype(
+                lambda p, d: torch.bfloat16 if id(p) in chosen else d, name=self.name
+            )
 
     model = make_model()
     chosen = {id(model.fc1.weight), id(model.fc2.weight)}
     cfg = ds_config(3, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0})
     engine, *_ = zerohooks.initialize(
-        model=model, model_parameters=model.parameters(), config=cfg, plugins=[Gather(None)]  # type: ignore[arg-type]
+        model=model,
+        model_parameters=model.parameters(),
+        config=cfg,
+        plugins=[Gather(None)],  # type: ignore[arg-type]
     )
     assert all(vars(p).get("comm_dtype") is torch.bfloat16 for p in model.parameters() if id(p) in chosen)
     assert all("comm_dtype" not in vars(p) for p in model.parameters() if id(p) not in chosen)

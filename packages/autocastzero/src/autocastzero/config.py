@@ -172,11 +172,15 @@ def check_deepspeed_config(cfg: AutocastZeroConfig, ds: dict[str, Any]) -> None:
     if accum is not None and str(accum).lower() not in ("fp32", "float32", "float", "torch.float32"):
         problems.append(
             f'"data_types.grad_accum_dtype" is {accum!r} but the parameters are fp32: DeepSpeed only '
-            'fails on that mix when training starts; remove it (gradients accumulate in fp32)'
+            "fails on that mix when training starts; remove it (gradients accumulate in fp32)"
         )
     zero = ds.get("zero_optimization") or {}
     if isinstance(zero, dict):
-        for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients"):
+        for key in (
+            "zero_quantized_weights",
+            "zero_quantized_nontrainable_weights",
+            "zero_quantized_gradients",
+        ):
             if zero.get(key):
                 problems.append(
                     f'"zero_optimization.{key}" is on: quantized ZeRO++ communication ignores the '

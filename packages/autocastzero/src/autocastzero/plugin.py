@@ -11,7 +11,7 @@ from typing_extensions import override
 
 import zerohooks
 from autocastzero.config import AutocastZeroConfig, check_deepspeed_config
-from autocastzero.scaling import ScaleState, ZeroLossScaler, Zero0Scaler, initial_scale, load, save
+from autocastzero.scaling import ScaleState, Zero0Scaler, ZeroLossScaler, initial_scale, load, save
 from autocastzero.select import safe_parameters
 from zerohooks import PluginConfig, SetupContext, ZeroPlugin
 from zerohooks.hookspec import GatherDtypeHook, PrepareModelHook, ReduceDtypeHook
@@ -119,14 +119,13 @@ class AutocastZeroPlugin(ZeroPlugin):
             state.safe = safe_parameters(engine.module, self.cfg)
         att.patch(engine, "forward", _autocast_forward(state), _ENGINE)
         if state.scale is not None:
-            reinstall = self._install_scaler(engine, att, state.scale)
+            reinstall = self._install_scaler(engine, att, state.stage, state.scale)
             registry.register_state(ScaleCheckpoint(state.scale, reinstall), name=self.name)
 
-    def _install_scaler(self, engine: Any, att: Any, scale: ScaleState) -> Callable[[], None]:
+    def _install_scaler(self, engine: Any, att: Any, stage: int, scale: ScaleState) -> Callable[[], None]:
         """Put the plugin's scaler where DeepSpeed looks for one; returns how to put it back after a
         checkpoint load (DeepSpeed restores the ZeRO optimizer's pickled scaler object)."""
         opt = engine.optimizer
-        stage = self.state.stage if self.state is not None else 0
         if stage == 0:
             params = [p for p in engine.module.parameters() if p.requires_grad]
             att.patch(engine, "torch_autocast_z0_gradscaler", lambda _: Zero0Scaler(scale, params), _ENGINE)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from deepspeed.runtime.fp16.loss_scaler import LossScalerBase
 
-__all__ = ["ScaleState", "ZeroLossScaler", "Zero0Scaler", "grads_overflow", "load", "save", "update"]
+__all__ = ["ScaleState", "Zero0Scaler", "ZeroLossScaler", "grads_overflow", "load", "save", "update"]
 
 
 class ScaleState:
