@@ -32,6 +32,7 @@ import multiprocessing as mp
 import os
 import platform
 import socket
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -151,6 +152,53 @@ def _run_case(
     }
 
 
+INTERLEAVED = ("autocastzero", "ds_bf16", "ds_autocast", "ds_autocast_2")
+"""Build order of the interleaved timing: DeepSpeed's torch_autocast engines last (it sets
+process-wide flags when built; engines built before it behave the same afterwards)."""
+
+
+def _run_interleaved(stage: int, steps: int, warmup: int, micro_batch: int, model_kw: dict[str, int]) -> Any:
+    """One launch, four engines, one training step of each in turn: paired step times that see
+    the same machine load.  ``ds_autocast_2`` is a second DeepSpeed engine, the A/A control."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from data import BatchSampler, ByteCorpus
+    from gpt import GPT, GPTConfig
+
+    import zerohooks
+
+    rank = dist.get_rank()
+    cuda = torch.cuda.is_available()
+    engines = {}
+    for case in INTERLEAVED:
+        torch.manual_seed(1234)
+        model = GPT(GPTConfig(**model_kw))
+        init = zerohooks.initialize if case == "autocastzero" else deepspeed.initialize
+        cfg = _config(case.removesuffix("_2"), stage, micro_batch)
+        engines[case], *_ = init(model=model, model_parameters=model.parameters(), config=cfg)
+    corpus = ByteCorpus.load(train_bytes=2 << 20, val_bytes=1 << 16)
+    sampler = BatchSampler(corpus.train, model_kw.get("seq_len", 128), micro_batch, 1234, rank)
+    times: dict[str, list[float]] = {c: [] for c in INTERLEAVED}
+    for i in range(steps):
+        x, y = sampler.next()
+        order = INTERLEAVED if i % 2 == 0 else tuple(reversed(INTERLEAVED))
+        for case in order:
+            engine = engines[case]
+            xs, ys = x.to(engine.device), y.to(engine.device)
+            if cuda:
+                torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = engine(xs, ys)
+            engine.backward(loss)
+            engine.step()
+            if cuda:
+                torch.cuda.synchronize()
+            times[case].append(time.perf_counter() - t0)
+    return {"stage": stage, "times": {c: t[warmup:] for c, t in times.items()}}
+
+
 def _worker(rank: int, world: int, port: int, backend: str, args: tuple[Any, ...], q: Any) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -172,7 +220,7 @@ def _worker(rank: int, world: int, port: int, backend: str, args: tuple[Any, ...
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # inference-only op
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
-        out = _run_case(*args)
+        out = _run_interleaved(*args[1:]) if args[0] == "interleaved" else _run_case(*args)
         q.put((rank, out))
     except BaseException as e:  # report and let the parent fail
         import traceback
@@ -209,7 +257,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "seq_len": args.seq_len,
     }
     runs: list[dict[str, Any]] = []
-    for stage in args.stages:
+    for stage in [] if args.no_separate else args.stages:
         for rep in range(args.repeats):
             order = CASES if rep % 2 == 0 else tuple(reversed(CASES))
             for case in order:
@@ -217,7 +265,17 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 r["repeat"] = rep
                 runs.append(r)
                 print(f"ZeRO {stage} {case:13s} rep {rep}: {r['step_s'] * 1e3:8.1f} ms/step", flush=True)
+    interleaved = []
+    if args.interleaved:
+        for stage in args.stages:
+            r = launch(
+                world, backend, "interleaved", stage, args.steps, args.warmup, args.micro_batch, model_kw
+            )
+            interleaved.append(r)
+            med = {c: statistics.median(t) for c, t in r["times"].items()}
+            print(f"ZeRO {stage} interleaved: " + ", ".join(f"{c} {v * 1e3:.1f} ms" for c, v in med.items()))
     return {
+        "interleaved": interleaved,
         "runs": runs,
         "model": model_kw,
         "micro_batch": args.micro_batch,
@@ -266,6 +324,47 @@ def summary(res: dict[str, Any]) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def interleaved_summary(res: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for r in res["interleaved"]:
+        t = r["times"]
+        med = {c: statistics.median(v) for c, v in t.items()}
+        paired = [a / b for a, b in zip(t["autocastzero"], t["ds_autocast"], strict=True)]
+        paired_aa = [a / b for a, b in zip(t["ds_autocast_2"], t["ds_autocast"], strict=True)]
+        rows.append(
+            {
+                "stage": r["stage"],
+                "median_ms": {c: v * 1e3 for c, v in med.items()},
+                "ratio": med["autocastzero"] / med["ds_autocast"],
+                "aa_ratio": med["ds_autocast_2"] / med["ds_autocast"],
+                "paired_ratio": statistics.median(paired),
+                "paired_aa_ratio": statistics.median(paired_aa),
+                "bf16_mode_ratio": med["ds_bf16"] / med["ds_autocast"],
+                "steps": len(paired),
+            }
+        )
+    return rows
+
+
+def markdown_interleaved(res: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "Interleaved: the four engines in one launch, one step of each in turn (order reversed every "
+        "step), medians over the timed steps; 'paired' is the median of the per-step ratios.",
+        "",
+        "| ZeRO | DS torch_autocast (ms) | DS torch_autocast #2 (A/A) | autocastzero (ms) | ratio | paired ratio "
+        "(goal <= 1.05) | paired A/A | DS bf16 mode (ms) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        m = r["median_ms"]
+        lines.append(
+            f"| {r['stage']} | {m['ds_autocast']:.1f} | {m['ds_autocast_2']:.1f} ({r['aa_ratio']:.3f}) "
+            f"| {m['autocastzero']:.1f} | {r['ratio']:.3f} | {r['paired_ratio']:.3f} | {r['paired_aa_ratio']:.3f} "
+            f"| {m['ds_bf16']:.1f} |"
+        )
+    return "\n".join(lines)
 
 
 def markdown(res: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -326,13 +425,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--tag", default="", help="suffix of the output file names")
+    p.add_argument(
+        "--interleaved", action="store_true", help="also time the engines side by side in one launch"
+    )
+    p.add_argument("--no-separate", action="store_true", help="skip the separate launches (memory, losses)")
     args = p.parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     t0 = time.monotonic()
     res = bench(args)
-    rows = summary(res)
+    rows = summary(res) if res["runs"] else []
     res["summary"] = rows
+    irows = interleaved_summary(res)
+    res["interleaved_summary"] = irows
     res["wall_s"] = time.monotonic() - t0
     res["command"] = "python benchmarks/bench_autocastzero.py " + " ".join(
         argv if argv is not None else sys.argv[1:]
@@ -340,9 +445,12 @@ def main(argv: list[str] | None = None) -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     name = "bench_autocastzero" + (f"_{args.tag}" if args.tag else "")
     (OUT / f"{name}.json").write_text(json.dumps(res, indent=1))
-    md = markdown(res, rows)
+    md = "\n\n".join(
+        ([markdown(res, rows)] if rows else []) + ([markdown_interleaved(res, irows)] if irows else [])
+    )
     (OUT / f"{name}.md").write_text(md + "\n")
-    plot(res, OUT / f"{name}.png")
+    if res["runs"]:
+        plot(res, OUT / f"{name}.png")
     print(md)
     return 0
 
