@@ -101,7 +101,7 @@ def grads_overflow(grads: Iterable[torch.Tensor | None]) -> bool:
     return bool(torch.stack(flags).any()) if flags else False
 
 
-class ZeroLossScaler(LossScalerBase):  # type: ignore[misc]
+class ZeroLossScaler(LossScalerBase):
     """DeepSpeed's loss-scaler interface over a :class:`ScaleState` (ZeRO 1-3 optimizers).
 
     DeepSpeed scales the loss with :meth:`scale_loss`, divides gradients by ``cur_scale`` and calls
@@ -118,7 +118,7 @@ class ZeroLossScaler(LossScalerBase):  # type: ignore[misc]
         self.dynamic = state.dynamic
         self.in_use = state.scale
 
-    @property  # type: ignore[override]
+    @property
     def cur_scale(self) -> float:
         return self.in_use
 
