@@ -167,11 +167,32 @@ def scenario_fp16(stage: int) -> dict[str, Any]:
     out["overflows"] = scale.overflows
     out["oracle_scales"] = deepspeed_scale_oracle([False, False, True, False, False, False, False])
     out["losses"] = losses
+    out["detached"] = _detach_restores(engine, stage)
     fp32 = build(stage)
     ref = train(fp32, 2, GAS)
     # the reference skips nothing: its step 2 is what the fp16 run skipped; compare steps 0-1
     out["fp32_losses"] = ref
     return out
+
+
+def _detach_restores(engine: Any, stage: int) -> dict[str, bool]:
+    """After ``zerohooks.detach``: is every slot the plugin filled back to what DeepSpeed built?"""
+    import zerohooks
+
+    opt = engine.optimizer
+    zerohooks.detach(engine)
+    checks = {"forward": "forward" not in vars(engine)}
+    if stage == 0:
+        checks["gradscaler"] = engine.torch_autocast_z0_gradscaler is None
+        checks["overflow_attr"] = "overflow" not in vars(opt)
+    else:
+        checks["loss_scaler"] = type(opt.loss_scaler).__module__.startswith("deepspeed.")
+        checks["dynamic_flag"] = opt.dynamic_loss_scale is False
+        if stage == 3:
+            checks["overflow_check"] = "_overflow_check_and_loss_scale_update" not in vars(opt)
+        else:
+            checks["check_grad_overflow"] = opt.check_grad_overflow is False
+    return checks
 
 
 def deepspeed_scale_oracle(overflows: list[bool]) -> list[float]:

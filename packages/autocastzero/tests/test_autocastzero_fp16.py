@@ -62,3 +62,10 @@ def test_checkpoint_resume_is_exact(two_ranks: list[dict[str, Any]], stage: int)
 def test_scale_rule_is_deepspeeds_on_random_overflows(two_ranks: list[dict[str, Any]]) -> None:
     for window, hysteresis, first_diff in two_ranks[0]["scale_rule"]:
         assert first_diff == -1, f"window {window}, hysteresis {hysteresis}: differs at step {first_diff}"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_detach_restores_deepspeeds_scaler_slots(two_ranks: list[dict[str, Any]], stage: int) -> None:
+    for rank in two_ranks:
+        checks = rank[f"fp16_z{stage}"]["detached"]
+        assert checks and all(checks.values()), checks
