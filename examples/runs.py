@@ -203,3 +203,37 @@ add_run(
     {"loco": {"hierarchy": "two_level", "node_size": 2}},
     help="LoCo two-level, 2-rank nodes (--nproc 4)",
 )
+
+
+def _autocast(section: dict[str, Any] | None, deepspeed_own: bool = False) -> ConfigEdit:
+    """fp32 parameters with the forward under torch.autocast: DeepSpeed's 16-bit modes off."""
+
+    def edit(cfg: dict[str, Any]) -> None:
+        for key in ("bf16", "fp16"):
+            if isinstance(cfg.get(key), dict):
+                cfg[key]["enabled"] = False
+        if deepspeed_own:
+            cfg["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+        else:
+            cfg["autocastzero"] = dict(section or {})
+
+    return edit
+
+
+add_run(
+    "autocastzero",
+    _autocast({"dtype": "bfloat16"}),
+    plugins=("autocastzero",),
+    help="fp32 parameters, bf16 autocast forward, Linear gradients (and ZeRO-3 gathers) in bf16",
+)
+add_run(
+    "autocastzero-fp16",
+    _autocast({"dtype": "float16", "initial_scale_power": 12}),
+    plugins=("autocastzero",),
+    help="fp32 parameters, fp16 autocast forward with dynamic loss scaling (ZeRO 0-3)",
+)
+add_run(
+    "ds-autocast",
+    _autocast(None, deepspeed_own=True),
+    help="DeepSpeed's own torch_autocast (bf16; ZeRO 1-3), autocastzero's baseline",
+)

@@ -7,7 +7,7 @@ code that fires them; plugins only implement them.
 Two kinds of hooks exist:
 
 *transforms* (``prepare_model``, ``micro_step_grad``, ``reduce_dtype``, ``reduce_tensor``,
-``before_step``, ``after_step``) compose: every registered callback runs, in ascending
+``before_step``, ``after_step``, ``gather_dtype``) compose: every registered callback runs, in ascending
 ``order`` and then by name, each one receiving what the previous one returned;
 
 *owners* (the gradient collective, :class:`GradientReducer`, and the ZeRO-3 NVMe optimizer
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AfterStepHook",
     "BeforeStepHook",
+    "GatherDtypeHook",
     "GradientReducer",
     "MicroStepGradHook",
     "PrepareModelHook",
@@ -145,6 +146,19 @@ class ReduceDtypeHook(Protocol):
     Fires when DeepSpeed asks which communication dtype to use for ``param`` (each micro-step on
     ZeRO 2/3, at the boundary on ZeRO 1).  Receives DeepSpeed's choice (or the previous hook's)
     and returns the dtype to use.  ZeRO 0 reduces one dtype for the whole model.
+    """
+
+    def __call__(self, param: nn.Parameter, dtype: torch.dtype) -> torch.dtype: ...
+
+
+class GatherDtypeHook(Protocol):
+    """Choose the dtype a ZeRO-3 parameter is all-gathered in.
+
+    Fires once per parameter when the adapter attaches to a ZeRO-3 engine.  Receives the dtype
+    of the parameter's partition (or the previous hook's choice) and returns the dtype its
+    partitions travel in when DeepSpeed all-gathers the full parameter; the gathered parameter
+    is cast back to the partition dtype afterwards, so only communication precision changes.
+    Not fired on ZeRO 0-2 (parameters are not gathered there).
     """
 
     def __call__(self, param: nn.Parameter, dtype: torch.dtype) -> torch.dtype: ...

@@ -16,6 +16,7 @@ from typing import Any, Generic, TypeVar
 from zerohooks.hookspec import (
     AfterStepHook,
     BeforeStepHook,
+    GatherDtypeHook,
     GradientReducer,
     MicroStepGradHook,
     PrepareModelHook,
@@ -139,6 +140,7 @@ class HookRegistry:
         self.after_step: _HookList[AfterStepHook] = _HookList("after_step")
         self.reducer: _Owner[GradientReducer] = _Owner("the gradient collective")
         self.swapper: _Owner[SwapOwner] = _Owner("the NVMe optimizer-state swap path")
+        self.gather_dtype: _HookList[GatherDtypeHook] = _HookList("gather_dtype")
         self.states: dict[str, StateProvider] = {}
         self._sealed = False
 
@@ -170,6 +172,12 @@ class HookRegistry:
     def register_after_step(self, fn: AfterStepHook, *, name: str, order: int = 0) -> RemovableHandle:
         """Register a :class:`~zerohooks.hookspec.AfterStepHook`."""
         return self.after_step.add(fn, order, name)
+
+    def register_gather_dtype(self, fn: GatherDtypeHook, *, name: str, order: int = 0) -> RemovableHandle:
+        """Register a :class:`~zerohooks.hookspec.GatherDtypeHook` (ZeRO 3 only; read at attach)."""
+        if self._sealed:
+            raise RuntimeError("gather_dtype hooks must be registered before the engine is attached")
+        return self.gather_dtype.add(fn, order, name)
 
     def register_reducer(self, reducer: GradientReducer, *, name: str) -> RemovableHandle:
         """Own the gradient collective; a second owner raises :class:`OwnerConflictError`."""
@@ -204,6 +212,7 @@ class HookRegistry:
             self.reduce_tensor,
             self.before_step,
             self.after_step,
+            self.gather_dtype,
         )
 
     def run_prepare_model(self, model: Any, ctx: Any) -> Any:

@@ -151,8 +151,59 @@ def _install_swap(att: Attachment, opt: Any) -> None:
     att.patch(opt, "_optimizer_states_and_gradient_swap_out", make_out, _OPT)
 
 
+class _GatherDtypes:
+    """The all-gather dtypes set on ZeRO-3 parameters, and their removal on detach.
+
+    DeepSpeed 0.19.8 reads a parameter's all-gather dtype from its ``comm_dtype`` attribute (the
+    attribute its ``torch_autocast`` sets; ``partition_parameters.get_allgather_dtype``), on
+    every gather path; it is the only per-parameter switch, so the adapter sets it here, per
+    parameter of this engine only, and restores what was there on detach.
+    """
+
+    __slots__ = ("_previous",)
+
+    def __init__(self) -> None:
+        self._previous: list[tuple[Any, Any]] = []
+
+    def set(self, param: Any, dtype: torch.dtype) -> None:
+        self._previous.append((param, param.__dict__.get(_GATHER_ATTR, _UNSET)))
+        setattr(param, _GATHER_ATTR, dtype)
+
+    def remove(self) -> None:
+        for param, previous in reversed(self._previous):
+            if previous is _UNSET:
+                param.__dict__.pop(_GATHER_ATTR, None)
+            else:
+                setattr(param, _GATHER_ATTR, previous)
+        self._previous.clear()
+
+
+_GATHER_ATTR = "comm_dtype"
+_UNSET = object()
+
+
+def _install_gather_dtypes(att: Attachment, opt: Any) -> None:
+    hooks = att.registry.gather_dtype.frozen
+    if not hooks:
+        return
+    from deepspeed.runtime.zero import partition_parameters
+
+    require_attr(partition_parameters, "get_allgather_dtype", "deepspeed.runtime.zero.partition_parameters")
+    dtypes = _GatherDtypes()
+    att.keep_handle(dtypes)
+    for group in opt.fp16_groups:
+        for p in group:
+            own = p.ds_tensor.dtype
+            dtype = own
+            for fn in hooks:
+                dtype = fn(p, dtype)
+            if dtype != own:
+                dtypes.set(p, dtype)
+
+
 def install(att: Attachment) -> None:
     opt = att.engine.optimizer
+    _install_gather_dtypes(att, opt)
     _install_grad_hooks(att, opt)
     _install_collectives(att, opt)
     _install_swap(att, opt)

@@ -1,0 +1,199 @@
+"""The ``"autocastzero"`` config section, and the DeepSpeed settings it cannot run with.
+
+Everything here runs when the config is read (``zerohooks.initialize``), before DeepSpeed builds
+anything: a conflict is refused with a message that says which key to change.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Literal
+
+import pydantic
+import torch
+from torch import nn
+
+from zerohooks import ConfigError, PluginConfig
+
+__all__ = [
+    "DEFAULT_SAFE_MODULES",
+    "DTYPES",
+    "AutocastZeroConfig",
+    "check_deepspeed_config",
+    "resolve_class",
+]
+
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The autocast dtypes the section accepts."""
+
+_ALIASES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "torch.bfloat16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "torch.float16": "float16",
+}
+
+DEFAULT_SAFE_MODULES: tuple[str, ...] = (
+    "torch.nn.Linear",
+    "torch.nn.Conv1d",
+    "torch.nn.Conv2d",
+    "torch.nn.Conv3d",
+)
+"""Module classes whose parameters are lower-precision safe by default (subclasses included)."""
+
+_SCALING_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
+
+
+def resolve_class(path: str) -> type[nn.Module]:
+    """``"torch.nn.Linear"`` -> the class; ValueError naming the problem otherwise."""
+    module_name, _, class_name = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"{path!r} is not a dotted import path such as 'torch.nn.Linear'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{path!r}: cannot import module {module_name!r} ({e})") from None
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(f"{path!r} is not a torch.nn.Module subclass")
+    return cls
+
+
+class AutocastZeroConfig(PluginConfig):
+    """The ``"autocastzero"`` section of the DeepSpeed config."""
+
+    dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    """Autocast dtype of the forward pass, and the communication dtype of lower-precision-safe
+    modules (``bf16``/``fp16`` are accepted too)."""
+
+    lower_precision_safe_modules: tuple[str, ...] = DEFAULT_SAFE_MODULES
+    """Dotted import paths of module classes whose parameters are lower-precision safe.  A module
+    matches when it is an instance of a listed class, subclasses included."""
+
+    lower_precision_safe_names: tuple[str, ...] = ()
+    """``fnmatch`` globs of module names (as in ``model.named_modules()``, e.g. ``"blocks.*.mlp.*"``)
+    whose own parameters are lower-precision safe, in addition to the classes above.  Every glob
+    must match at least one module."""
+
+    fp32_names: tuple[str, ...] = ()
+    """Globs of module names whose parameters stay fp32 in communication even when their class or
+    name says safe (checked last).  Every glob must match at least one module."""
+
+    low_precision_reduce: bool = True
+    """Reduce (all-reduce / reduce-scatter) the gradients of safe parameters in ``dtype``;
+    False reduces every gradient in fp32."""
+
+    low_precision_gather: bool = True
+    """ZeRO 3: all-gather safe parameters in ``dtype`` (the gathered parameter is fp32 again,
+    holding the ``dtype``-rounded value); False gathers in fp32."""
+
+    loss_scale: float = pydantic.Field(default=0.0, ge=0.0)
+    """float16 only: a static loss scale, or 0 for dynamic loss scaling."""
+
+    initial_scale_power: int = pydantic.Field(default=16, ge=0, le=64)
+    """float16 dynamic scaling: the first loss scale is ``2**initial_scale_power``."""
+
+    loss_scale_window: int = pydantic.Field(default=1000, ge=1)
+    """float16 dynamic scaling: the scale doubles at each step preceded by a multiple of this many
+    steps without overflow (DeepSpeed's ``loss_scale_window`` rule)."""
+
+    hysteresis: int = pydantic.Field(default=2, ge=1)
+    """float16 dynamic scaling: overflowing steps tolerated before the scale halves (every one is
+    skipped); 1 halves at every overflow.  Refilled when the scale grows."""
+
+    min_loss_scale: float = pydantic.Field(default=1.0, gt=0.0)
+    """float16 dynamic scaling: the scale never goes below this."""
+
+    @pydantic.field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_alias(cls, value: Any) -> Any:
+        key = str(value).lower()
+        return _ALIASES.get(key, value)
+
+    @pydantic.field_validator("lower_precision_safe_modules")
+    @classmethod
+    def _importable(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for path in value:
+            resolve_class(path)
+        return value
+
+    @pydantic.model_validator(mode="after")
+    def _scaling_needs_fp16(self) -> AutocastZeroConfig:
+        if self.dtype == "bfloat16":
+            given = [k for k in _SCALING_KEYS if k in self.model_fields_set]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} only apply to dtype float16 (bfloat16 needs no loss scaling); "
+                    "remove them or set dtype to float16"
+                )
+        return self
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """:attr:`dtype` as a torch dtype."""
+        return DTYPES[self.dtype]
+
+    def safe_classes(self) -> tuple[type[nn.Module], ...]:
+        """The classes of :attr:`lower_precision_safe_modules`, imported."""
+        return tuple(resolve_class(p) for p in self.lower_precision_safe_modules)
+
+
+def _enabled(section: Any) -> bool:
+    return isinstance(section, dict) and bool(section.get("enabled", False))
+
+
+def check_deepspeed_config(cfg: AutocastZeroConfig, ds: dict[str, Any]) -> None:
+    """Refuse DeepSpeed settings that conflict with ``cfg``; each message names the key to change."""
+    problems: list[str] = []
+    for key in ("fp16", "bf16", "bfloat16"):
+        if _enabled(ds.get(key)):
+            problems.append(
+                f'"{key}" is enabled: autocastzero keeps fp32 parameters and runs the forward under '
+                f'torch.autocast instead; remove the "{key}" section (or set "enabled": false) and choose '
+                'the autocast dtype with "autocastzero": {"dtype": ...}'
+            )
+    if _enabled(ds.get("torch_autocast")):
+        problems.append(
+            '"torch_autocast" is enabled: that is DeepSpeed\'s own autocast, which autocastzero replaces; '
+            'remove the "torch_autocast" section'
+        )
+    comm = ds.get("communication_data_type")
+    if comm is not None:
+        problems.append(
+            f'"communication_data_type" is {comm!r}: autocastzero chooses the reduction dtype per '
+            f"parameter ({cfg.dtype} for safe modules, float32 for the rest); remove "
+            '"communication_data_type" (or set "low_precision_reduce": false for fp32 everywhere)'
+        )
+    types = ds.get("data_types")
+    accum = types.get("grad_accum_dtype") if isinstance(types, dict) else None
+    if accum is not None and str(accum).lower() not in ("fp32", "float32", "float", "torch.float32"):
+        problems.append(
+            f'"data_types.grad_accum_dtype" is {accum!r} but the parameters are fp32: DeepSpeed only '
+            "fails on that mix when training starts; remove it (gradients accumulate in fp32)"
+        )
+    zero = ds.get("zero_optimization") or {}
+    if isinstance(zero, dict):
+        for key in (
+            "zero_quantized_weights",
+            "zero_quantized_nontrainable_weights",
+            "zero_quantized_gradients",
+        ):
+            if zero.get(key):
+                problems.append(
+                    f'"zero_optimization.{key}" is on: quantized ZeRO++ communication ignores the '
+                    f"per-parameter dtypes of autocastzero; remove it"
+                )
+        offload = zero.get("offload_optimizer") or {}
+        device = offload.get("device") if isinstance(offload, dict) else None
+        if cfg.dtype == "float16" and device not in (None, "none"):
+            problems.append(
+                f'"zero_optimization.offload_optimizer.device" is {device!r}: float16 loss scaling with '
+                'an offloaded optimizer is not supported; use dtype "bfloat16" or remove the offload'
+            )
+    if problems:
+        raise ConfigError(
+            'the "autocastzero" section conflicts with the DeepSpeed config:\n  ' + "\n  ".join(problems)
+        )

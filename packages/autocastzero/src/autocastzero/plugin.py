@@ -1,0 +1,207 @@
+"""The autocastzero zerohooks plugin: autocast forward, per-parameter communication dtypes, fp16 scaling."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from typing_extensions import override
+
+import zerohooks
+from autocastzero.config import AutocastZeroConfig, check_deepspeed_config
+from autocastzero.scaling import ScaleState, Zero0Scaler, ZeroLossScaler, initial_scale, load, save
+from autocastzero.select import safe_parameters
+from zerohooks import PluginConfig, SetupContext, ZeroPlugin
+from zerohooks.hookspec import GatherDtypeHook, PrepareModelHook, ReduceDtypeHook
+from zerohooks.registry import HookRegistry
+
+__all__ = ["AutocastState", "AutocastZeroPlugin", "ScaleCheckpoint", "autocast_state"]
+
+_ENGINE = "DeepSpeedEngine"
+_Z12 = "DeepSpeedZeroOptimizer"
+_Z3 = "DeepSpeedZeroOptimizer_Stage3"
+
+
+class AutocastState:
+    """What the plugin knows about one engine."""
+
+    __slots__ = ("device_type", "dtype", "engine", "safe", "scale", "stage")
+
+    def __init__(self, dtype: torch.dtype, stage: int, scale: ScaleState | None) -> None:
+        self.dtype = dtype
+        """The autocast dtype."""
+        self.stage = stage
+        """ZeRO stage of the engine."""
+        self.scale = scale
+        """fp16 loss scale (None for bfloat16)."""
+        self.safe: dict[int, str] = {}
+        """``id(param) -> name`` of the lower-precision-safe parameters."""
+        self.engine: Any = None
+        self.device_type = "cpu"
+        """``torch.autocast`` device type (DeepSpeed's accelerator)."""
+
+
+def autocast_state(engine: Any) -> AutocastState:
+    """The :class:`AutocastState` of an engine built with the plugin."""
+    att = zerohooks.attachment(engine)
+    for p in att.plugins if att is not None else ():
+        if isinstance(p, AutocastZeroPlugin) and p.state is not None:
+            return p.state
+    raise ValueError("this engine was not built with the autocastzero plugin")
+
+
+class ScaleCheckpoint:
+    """The fp16 loss scale in checkpoints (plugin state, one file per rank)."""
+
+    __slots__ = ("reinstall", "state")
+
+    def __init__(self, state: ScaleState, reinstall: Callable[[], None]) -> None:
+        self.state = state
+        self.reinstall = reinstall
+
+    def state_dict(self) -> dict[str, Any]:
+        return save(self.state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load(self.state, state)
+        self.reinstall()
+
+
+class AutocastZeroPlugin(ZeroPlugin):
+    """torch.autocast with fp32 parameters; 16-bit communication for lower-precision-safe modules."""
+
+    name = "autocastzero"
+    distribution = "zerohooks-autocastzero"
+    Config = AutocastZeroConfig
+
+    def __init__(self, config: PluginConfig | None = None) -> None:
+        super().__init__(config or AutocastZeroConfig())
+        self.state: AutocastState | None = None
+        """Created in :meth:`attach`."""
+        self._extra_attrs: list[tuple[Any, str]] = []
+
+    @property
+    def cfg(self) -> AutocastZeroConfig:
+        assert isinstance(self.config, AutocastZeroConfig)
+        return self.config
+
+    @override
+    def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
+        check_deepspeed_config(self.cfg, ds_config)
+
+    @override
+    def attach(self, registry: HookRegistry, ctx: SetupContext) -> None:
+        cfg = self.cfg
+        scale = None
+        if cfg.dtype == "float16":
+            first, dynamic = initial_scale(cfg.loss_scale, cfg.initial_scale_power)
+            scale = ScaleState(first, dynamic, cfg.loss_scale_window, cfg.hysteresis, cfg.min_loss_scale)
+        state = self.state = AutocastState(cfg.torch_dtype, ctx.zero_stage, scale)
+        registry.register_prepare_model(_prepare(state, cfg), name=self.name)
+        if cfg.low_precision_reduce:
+            registry.register_reduce_dtype(_reduce_dtype(state), name=self.name)
+        if cfg.low_precision_gather and ctx.zero_stage == 3:
+            registry.register_gather_dtype(_gather_dtype(state), name=self.name)
+
+    @override
+    def engine_ready(self, engine: Any, registry: HookRegistry) -> None:
+        from deepspeed.accelerator import get_accelerator
+
+        state = self.state
+        assert state is not None
+        att = zerohooks.attachment(engine)
+        assert att is not None
+        state.engine = engine
+        state.device_type = get_accelerator().device_name()
+        if not state.safe:
+            state.safe = safe_parameters(engine.module, self.cfg)
+        att.patch(engine, "forward", _autocast_forward(state), _ENGINE)
+        if state.scale is not None:
+            reinstall = self._install_scaler(engine, att, state.stage, state.scale)
+            registry.register_state(ScaleCheckpoint(state.scale, reinstall), name=self.name)
+
+    def _install_scaler(self, engine: Any, att: Any, stage: int, scale: ScaleState) -> Callable[[], None]:
+        """Put the plugin's scaler where DeepSpeed looks for one; returns how to put it back after a
+        checkpoint load (DeepSpeed restores the ZeRO optimizer's pickled scaler object)."""
+        opt = engine.optimizer
+        if stage == 0:
+            params = [p for p in engine.module.parameters() if p.requires_grad]
+            att.patch(engine, "torch_autocast_z0_gradscaler", lambda _: Zero0Scaler(scale, params), _ENGINE)
+            if "overflow" not in vars(opt):
+                opt.overflow = False  # read by the engine to count skipped steps; removed in close()
+                self._extra_attrs.append((opt, "overflow"))
+            return lambda: None
+        scaler = ZeroLossScaler(scale)
+        what = _Z3 if stage == 3 else _Z12
+        att.patch(opt, "loss_scaler", lambda _: scaler, what)
+        att.patch(opt, "dynamic_loss_scale", lambda _: scale.dynamic, what)
+        if stage == 3:
+            att.patch(opt, "_overflow_check_and_loss_scale_update", _z3_overflow_check(opt), what)
+        else:
+            att.patch(opt, "check_grad_overflow", lambda _: True, what)
+
+        def reinstall() -> None:
+            scaler.in_use = scale.scale
+            opt.loss_scaler = scaler
+
+        return reinstall
+
+    @override
+    def close(self) -> None:
+        for obj, name in self._extra_attrs:
+            vars(obj).pop(name, None)
+        self._extra_attrs.clear()
+        if self.state is not None:
+            self.state.engine = None
+
+
+# -- hook factories ----------------------------------------------------------------------------
+def _prepare(state: AutocastState, cfg: AutocastZeroConfig) -> PrepareModelHook:
+    def prepare_model(model: torch.nn.Module, ctx: SetupContext) -> None:
+        state.safe = safe_parameters(model, cfg)
+
+    return prepare_model
+
+
+def _reduce_dtype(state: AutocastState) -> ReduceDtypeHook:
+    def reduce_dtype(param: torch.nn.Parameter, dtype: torch.dtype) -> torch.dtype:
+        return state.dtype if id(param) in state.safe else dtype
+
+    return reduce_dtype
+
+
+def _gather_dtype(state: AutocastState) -> GatherDtypeHook:
+    def gather_dtype(param: torch.nn.Parameter, dtype: torch.dtype) -> torch.dtype:
+        return state.dtype if id(param) in state.safe else dtype
+
+    return gather_dtype
+
+
+def _autocast_forward(state: AutocastState) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with torch.autocast(device_type=state.device_type, dtype=state.dtype):
+                return original(*args, **kwargs)
+
+        return forward
+
+    return make
+
+
+def _z3_overflow_check(opt: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """ZeRO 3 checks gradients for inf/nan only when its parameters are fp16; check them anyway."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _overflow_check_and_loss_scale_update(update_scale: bool = True) -> Any:
+            opt.overflow = False
+            opt.check_overflow()
+            if not update_scale:
+                return opt.overflow
+            return opt._loss_scale_update_and_overflow_cleanup()
+
+        return _overflow_check_and_loss_scale_update
+
+    return make

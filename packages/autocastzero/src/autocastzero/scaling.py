@@ -1,0 +1,193 @@
+"""fp16 loss scaling for fp32-parameter training: the plugin's scaler and DeepSpeed's two slots for it.
+
+The scale lives in a :class:`ScaleState`; :func:`update` is the whole dynamic algorithm.  Two
+thin objects hand that state to DeepSpeed where it already expects a scaler, so DeepSpeed's own
+code scales the loss, checks every gradient for inf/nan across ranks, unscales, skips the step
+and counts it (``engine.skipped_steps``, no learning-rate step):
+
+* ZeRO 1-3: :class:`ZeroLossScaler` replaces the ZeRO optimizer's ``loss_scaler`` (a static
+  scale of 1 when parameters are fp32).
+* ZeRO 0: :class:`Zero0Scaler` fills the engine's ``torch_autocast_z0_gradscaler`` slot (the
+  GradScaler interface DeepSpeed calls in ``backward`` and ``_take_model_step``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from deepspeed.runtime.fp16.loss_scaler import LossScalerBase
+
+__all__ = ["ScaleState", "Zero0Scaler", "ZeroLossScaler", "grads_overflow", "load", "save", "update"]
+
+
+class ScaleState:
+    """The loss scale and its counters (one per engine)."""
+
+    __slots__ = (
+        "dynamic",
+        "good_steps",
+        "hysteresis",
+        "hysteresis_left",
+        "min_scale",
+        "overflows",
+        "scale",
+        "steps",
+        "window",
+    )
+
+    def __init__(
+        self, scale: float, dynamic: bool, window: int = 1000, hysteresis: int = 2, min_scale: float = 1.0
+    ) -> None:
+        self.scale = float(scale)
+        """The current loss scale."""
+        self.dynamic = dynamic
+        """Back off on overflow and grow after :attr:`window` good steps (else a static scale)."""
+        self.window = window
+        self.hysteresis = hysteresis
+        self.hysteresis_left = hysteresis
+        """Overflows still tolerated before the scale halves."""
+        self.min_scale = float(min_scale)
+        self.good_steps = 0
+        """Steps without overflow since the last overflow or growth."""
+        self.steps = 0
+        """Optimizer steps seen (taken or skipped)."""
+        self.overflows = 0
+        """Steps skipped for inf/nan gradients."""
+
+
+def update(state: ScaleState, overflow: bool) -> None:
+    """Account one optimizer step (skipped when ``overflow``) and move the scale.
+
+    The rule of DeepSpeed's fp16 ``DynamicLossScaler`` (``consecutive_hysteresis`` false), so
+    that an fp16 run keeps its scale trajectory when it moves to fp32 parameters: an overflow
+    halves the scale (not below ``min_scale``) once ``hysteresis`` overflows have been tolerated;
+    the scale doubles at a good step preceded by a positive multiple of ``window`` good steps
+    since the last overflow, which also refills the hysteresis.
+    """
+    state.steps += 1
+    if overflow:
+        state.overflows += 1
+        state.good_steps = 0
+        if state.dynamic:
+            if state.hysteresis == 1 or state.hysteresis_left == 1:
+                state.scale = max(state.scale / 2.0, state.min_scale)
+            else:
+                state.hysteresis_left -= 1
+        return
+    stable = state.good_steps
+    state.good_steps += 1
+    if state.dynamic and stable > 0 and stable % state.window == 0:
+        state.hysteresis_left = state.hysteresis
+        state.scale *= 2.0
+
+
+def save(state: ScaleState) -> dict[str, Any]:
+    """The state as plain numbers (for checkpoints)."""
+    return {name: getattr(state, name) for name in ScaleState.__slots__}
+
+
+def load(state: ScaleState, saved: dict[str, Any]) -> None:
+    """Restore what :func:`save` returned."""
+    for name in ScaleState.__slots__:
+        setattr(state, name, saved[name])
+
+
+def grads_overflow(grads: Iterable[torch.Tensor | None]) -> bool:
+    """True when any gradient holds an inf or a nan."""
+    flags = [torch.logical_not(torch.isfinite(g).all()) for g in grads if g is not None]
+    return bool(torch.stack(flags).any()) if flags else False
+
+
+class ZeroLossScaler(LossScalerBase):
+    """DeepSpeed's loss-scaler interface over a :class:`ScaleState` (ZeRO 1-3 optimizers).
+
+    DeepSpeed scales the loss with :meth:`scale_loss`, divides gradients by ``cur_scale`` and calls
+    :meth:`update_scale` once per step with its all-rank overflow verdict.
+
+    DeepSpeed 0.19.8 calls ``update_scale`` *before* it divides the gradients by ``cur_scale``,
+    so a scale that grows at a step would under-weight that step's gradients by half.
+    ``cur_scale`` therefore stays the scale the current gradients were made with until the next
+    loss is scaled.
+    """
+
+    def __init__(self, state: ScaleState) -> None:  # no super().__init__: the scale is the state's
+        self.state = state
+        self.dynamic = state.dynamic
+        self.in_use = state.scale
+
+    @property
+    def cur_scale(self) -> float:
+        return self.in_use
+
+    @cur_scale.setter
+    def cur_scale(self, value: float) -> None:
+        self.state.scale = self.in_use = float(value)
+
+    def update_scale(self, overflow: bool) -> None:
+        update(self.state, bool(overflow))
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        self.in_use = self.state.scale
+        return loss * self.in_use
+
+    def __repr__(self) -> str:
+        return f"autocastzero.ZeroLossScaler(scale={self.state.scale}, dynamic={self.state.dynamic})"
+
+
+class Zero0Scaler:
+    """The GradScaler interface DeepSpeed's engine calls on ZeRO 0, over a :class:`ScaleState`.
+
+    ZeRO 0 all-reduces gradients before the step, so every rank sees the same (possibly
+    non-finite) gradients and reaches the same verdict without a collective.  On overflow the
+    optimizer step is not taken and ``optimizer.overflow`` tells the engine to count it as
+    skipped (and not to step the learning-rate schedule).
+    """
+
+    __slots__ = ("_overflow", "_unscaled", "params", "state")
+
+    def __init__(self, state: ScaleState, params: list[torch.nn.Parameter]) -> None:
+        self.state = state
+        self.params = params
+        self._unscaled = False
+        self._overflow = False
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.state.scale
+
+    def unscale_(self, optimizer: Any) -> None:
+        if self._unscaled:
+            return
+        self._overflow = grads_overflow(p.grad for p in self.params)
+        if not self._overflow and self.state.scale != 1.0:
+            inv = 1.0 / self.state.scale
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(inv)
+        self._unscaled = True
+
+    def step(self, optimizer: Any) -> None:
+        self.unscale_(optimizer)
+        optimizer.overflow = self._overflow
+        if not self._overflow:
+            optimizer.step()
+
+    def update(self) -> None:
+        update(self.state, self._overflow)
+        self._unscaled = False
+        self._overflow = False
+
+    def get_scale(self) -> float:
+        return self.state.scale
+
+    def is_enabled(self) -> bool:
+        return True
+
+
+def initial_scale(loss_scale: float, initial_scale_power: int) -> tuple[float, bool]:
+    """(first scale, dynamic) from the section's ``loss_scale`` and ``initial_scale_power``."""
+    if loss_scale > 0:
+        return loss_scale, False
+    return math.ldexp(1.0, initial_scale_power), True
