@@ -126,6 +126,14 @@ class ZeroLossScaler(LossScalerBase):
     def cur_scale(self, value: float) -> None:
         self.state.scale = self.in_use = float(value)
 
+    @property
+    def next_scale(self) -> float:
+        """The scale the next loss will be multiplied by (``cur_scale`` lags it until then).
+
+        Plugins that keep state in loss-scaled units (loco's error-feedback buffers) read this
+        after a step to rescale to the next step's gradients."""
+        return self.state.scale
+
     def update_scale(self, overflow: bool) -> None:
         update(self.state, bool(overflow))
 

@@ -96,9 +96,25 @@ class LocoReducer(GradientReducer):
         return [t for t in out if t is not None]
 
 
+def _dynamic_loss_scaling(engine: Any) -> bool:
+    """True when the engine's steps can be skipped by a loss scaler even though the model is not
+    fp16 (e.g. autocastzero's float16 autocast with fp32 parameters)."""
+    opt = getattr(engine, "optimizer", None)
+    try:
+        dynamic = bool(getattr(opt, "dynamic_loss_scale", False))
+    except Exception:
+        dynamic = False
+    return dynamic or getattr(engine, "torch_autocast_z0_gradscaler", None) is not None
+
+
 def _loss_scale(engine: Any) -> float | None:
     """The engine's current loss scale (fp16; 1.0 for bf16/fp32 ZeRO), None when it has none."""
     opt = getattr(engine, "optimizer", None)
+    # A scaler that lags cur_scale behind its update (autocastzero's) says what the next
+    # step's gradients will be scaled by; the error buffers must be expressed in that.
+    upcoming = getattr(getattr(opt, "loss_scaler", None), "next_scale", None)
+    if isinstance(upcoming, (int, float)):
+        return float(upcoming)
     for name in ("cur_scale", "loss_scale"):
         try:
             value = getattr(opt, name, None)
@@ -137,6 +153,8 @@ class LocoPlugin(ZeroPlugin):
         self.cfg: LocoConfig = self.config
         self.state = LocoState(self.cfg)
         self.engine: Any = None
+        self._fp16 = False
+        self._check_skippable = False
         self.kernels = False
         self._topologies: dict[Any, comm.Topology] = {}
         self._two_level: comm.Topology | None = None
@@ -157,7 +175,8 @@ class LocoPlugin(ZeroPlugin):
             )
 
     def attach(self, registry: HookRegistry, ctx: SetupContext) -> None:
-        self.state.keep_snapshots = ctx.train_dtype == torch.float16 and self.cfg.on_skip == "restore"
+        self._fp16 = ctx.train_dtype == torch.float16
+        self.state.keep_snapshots = self._fp16 and self.cfg.on_skip == "restore"
         world = ctx.world_size
         node = _node_size(self.cfg, world)
         if self.cfg.hierarchy == "two_level" and (world % node or world // node < 2):
@@ -175,6 +194,7 @@ class LocoPlugin(ZeroPlugin):
 
     def engine_ready(self, engine: Any, registry: HookRegistry) -> None:
         self.engine = engine
+        self._check_skippable = True
         self.state.loss_scale = _loss_scale(engine)
         self.reducer.names = {id(p): n for n, p in engine.module.named_parameters()}
         if not (dist.is_available() and dist.is_initialized()):
@@ -195,7 +215,15 @@ class LocoPlugin(ZeroPlugin):
 
     # -- hooks -----------------------------------------------------------------------------------
     def _window(self) -> int:
-        return int(self.engine.micro_steps) if self.engine is not None else 0
+        if self.engine is None:
+            return 0
+        if self._check_skippable:
+            # At the first collective every plugin's engine_ready has run, so a loss scaler another
+            # plugin installed (autocastzero's fp16 scaling on fp32 parameters) is visible here.
+            self._check_skippable = False
+            if self.cfg.on_skip == "restore" and not self.state.keep_snapshots:
+                self.state.keep_snapshots = _dynamic_loss_scaling(self.engine)
+        return int(self.engine.micro_steps)
 
     def _topology(self, group: Any) -> comm.Topology:
         group = group if group is not None else dist.group.WORLD
