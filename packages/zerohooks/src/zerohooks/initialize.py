@@ -88,6 +88,10 @@ def initialize(*args: Any, plugins: Sequence[ZeroPlugin] = (), **kwargs: Any) ->
         p.attach(registry, ctx)
     if params.get("model") is not None:
         params["model"] = registry.run_prepare_model(params["model"], ctx)
+    if params.get("model_parameters") is not None and registry.prepare_parameters.frozen:
+        params["model_parameters"] = registry.run_prepare_parameters(
+            params["model_parameters"], params.get("model"), ctx
+        )
     if source is not None:
         params["config"] = ds_config
     result = deepspeed.initialize(*bound.args, **bound.kwargs)
