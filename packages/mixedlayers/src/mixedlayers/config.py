@@ -147,11 +147,17 @@ def select_modules(model: nn.Module, cfg: MixedLayersConfig) -> dict[str, nn.Mod
         cls = _resolve_type(type_name)
         hits = [n for n, m in named if _type_matches(m, type_name, cls)]
         if not hits:
-            present = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for _, m in named})
+            present = {
+                k.__name__: f"{k.__module__}.{k.__qualname__}"
+                for _, m in named
+                for k in type(m).__mro__
+                if issubclass(k, nn.Module) and k is not nn.Module
+            }
+            close = difflib.get_close_matches(type_name.rpartition(".")[2], list(present), n=5, cutoff=0.5)
+            listed = ", ".join(repr(present[c]) for c in (close or sorted(present)[:8]))
             raise ConfigError(
                 f'mixedlayers.fp32_module_types: "{type_name}" matches no module of '
-                f"{type(model).__name__}; its module classes close to it: "
-                f"{_close(type_name, present)}"
+                f"{type(model).__name__}; its module classes close to it: {listed}"
             )
         chosen.update(hits)
     return {n: m for n, m in named if n in chosen}
