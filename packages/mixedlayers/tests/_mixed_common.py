@@ -44,6 +44,10 @@ CASES: list[tuple[int, str, bool]] = [
 ]
 """(ZeRO stage, training dtype, CPU optimizer offload) of the training scenarios."""
 
+OPTIMIZER: dict[str, Any] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0, "torch_adam": True}}
+"""No weight decay: ZeRO 0's FP16_UnfusedOptimizer takes a zero-gradient step at init, which
+would decay the masters before the exact-init check."""
+
 FP16_STATIC = {"loss_scale": 256.0}
 """A static fp16 loss scale for the gradient checks (the boundary gradients carry it)."""
 
@@ -61,7 +65,7 @@ def build(stage: int, dtype: str, offload: bool, *, mixed: bool = True, **kwargs
 
     model = make_model()
     sections = {"mixedlayers": SECTION} if mixed else {}
-    cfg = ds_config(stage, dtype, offload, gas=GAS, sections=sections, **kwargs)
+    cfg = ds_config(stage, dtype, offload, gas=GAS, sections=sections, optimizer=OPTIMIZER, **kwargs)
     engine, *_ = zerohooks.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     return engine
 
@@ -194,7 +198,19 @@ def all_two_rank_scenarios(tmp: str) -> dict[str, Any]:
     for case in CASES:
         results[case_name(*case)] = training_scenario(*case, tmp)
     results["detach"] = detach_scenario()
-    return results
+    return _portable(results)
+
+
+def _portable(obj: Any) -> Any:
+    """Tensors as numpy arrays: torch shares tensor storage between processes through file
+    descriptors that die with the rank, numpy arrays are pickled by value."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().numpy()
+    if isinstance(obj, dict):
+        return {k: _portable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_portable(v) for v in obj)
+    return obj
 
 
 def detach_scenario() -> dict[str, Any]:

@@ -102,14 +102,18 @@ def test_deepspeed_settings_refused(edit: Any, match: str) -> None:
         check_deepspeed_config(setup_context(cfg))
 
 
-def test_zero3_asks_deepspeed_for_fp32_accumulation() -> None:
+@pytest.mark.parametrize(
+    ("stage", "dtype", "offload", "by_config"),
+    [(0, "bf16", False, False), (1, "bf16", False, False), (1, "bf16", True, True), (1, "fp16", False, True),
+     (2, "bf16", False, True), (3, "fp16", False, True)],
+)
+def test_fp32_accumulation_through_deepspeed_config(stage: int, dtype: str, offload: bool, by_config: bool) -> None:
+    """DeepSpeed's grad_accum_dtype is set except where it would swap in BF16_Optimizer (bf16
+    ZeRO 1 without offload: the plugin switches the accumulation on per instance instead)."""
     plugin = MixedLayersPlugin(_section({"fp32_modules": ["head"]}))
-    cfg = ds_config(3, "bf16")
+    cfg = ds_config(stage, dtype, offload, data_types={"grad_accum_dtype": "fp32"} if stage else {})
     plugin.edit_deepspeed_config(cfg)
-    assert cfg["data_types"] == {"grad_accum_dtype": "fp32"}
-    cfg2 = ds_config(2, "bf16")
-    plugin.edit_deepspeed_config(cfg2)
-    assert "data_types" not in cfg2
+    assert cfg["data_types"].get("grad_accum_dtype") == ("fp32" if by_config else None)
 
 
 # -- selection -----------------------------------------------------------------------------------

@@ -56,7 +56,12 @@ def test_gradients_match_fp32_reference(two_ranks: list[dict[str, Any]], name: s
         grads, ref = res["grads"], res["ref_grads"]
         assert set(grads) == set(KEPT)
         for n in KEPT:
-            err = (grads[n] - ref[n]).abs().max().item() / ref[n].abs().max().item()
+            g, r = torch.as_tensor(grads[n]), torch.as_tensor(ref[n])
+            # fp16: the boundary gradient carries DeepSpeed's loss scale (256) or not, depending on
+            # the optimizer wrapper; a power of two rescales exactly, so divide it out.
+            scale = 2.0 ** round(torch.log2((g * r).sum() / (r * r).sum()).item())
+            assert scale in ((1.0,) if "bf16" in name else (1.0, 1 / 256)), scale
+            err = (g / scale - r).abs().max().item() / r.abs().max().item()
             # fp32 accumulation and reduction of 4 terms: a few fp32 ulps (2**-23 ~ 1.2e-7)
             assert err < 2e-6, f"{name} {n}: relative error {err:.2e}"
 
@@ -96,7 +101,7 @@ def test_detach_removes_boundary_casts(two_ranks: list[dict[str, Any]]) -> None:
         # Attached: the LayerNorm receives fp32; detached: the bf16 activation reaches it as is
         # and torch refuses the mixed LayerNorm.
         assert res["seen"][0] == "float32"
-        assert res["hooks"][0] >= 2 and res["hooks"][1] == 0
+        assert res["hooks"][0] - res["hooks"][1] == 2  # the entry and exit casts
         assert not res["to_shadowed"]
         assert res["seen"][-1] == "float64", "the forward should fail without the casts"
         assert res["error"]

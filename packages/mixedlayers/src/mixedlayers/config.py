@@ -84,10 +84,11 @@ def check_deepspeed_config(ctx: SetupContext) -> None:
         )
     data_types = cfg.get("data_types") or {}
     accum = data_types.get("grad_accum_dtype") if isinstance(data_types, dict) else None
-    if ctx.zero_stage == 3 and accum not in (None, "fp32", "float32", "float"):
+    if ctx.zero_stage > 0 and accum not in (None, "fp32", "float32", "float"):
         raise ConfigError(
-            f'mixedlayers on ZeRO 3 accumulates gradients in fp32; data_types.grad_accum_dtype="{accum}" '
-            'would downcast the fp32 modules\' gradients: remove it or set it to "fp32"'
+            f"mixedlayers on ZeRO {ctx.zero_stage} accumulates gradients in fp32; "
+            f'data_types.grad_accum_dtype="{accum}" would downcast the fp32 modules\' gradients: '
+            'remove it or set it to "fp32"'
         )
     for key in ("torch_autocast", "amp"):
         section = cfg.get(key)

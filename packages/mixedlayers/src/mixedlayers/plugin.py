@@ -20,10 +20,12 @@ import torch
 from torch import nn
 from typing_extensions import override
 
+import zerohooks
 from mixedlayers.casting import install_boundary_hooks
 from mixedlayers.config import MixedLayersConfig, check_deepspeed_config, outermost, select_modules
 from mixedlayers.state import MixedState, keep_fp32, shadow_module_to, split_param_groups
 from mixedlayers.zero3 import restore_zero3
+from mixedlayers.zero12 import fp32_accumulation_by_config, install_fp32_accumulation, install_fp32_staging
 from zerohooks import ConfigError, PluginConfig, SetupContext, ZeroPlugin
 from zerohooks.hookspec import PrepareModelHook, PrepareParametersHook, ReduceDtypeHook
 from zerohooks.initialize import setup_context
@@ -68,11 +70,17 @@ class MixedLayersPlugin(ZeroPlugin):
     def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
         ctx = setup_context(ds_config)
         check_deepspeed_config(ctx)
-        if ctx.zero_stage == 3:
-            # ZeRO 3 accumulates every gradient partition in one buffer of this dtype; fp32 keeps the
-            # kept parameters' gradients fp32 (the 16-bit ones gain precision, at 2 bytes/param more).
+        if fp32_accumulation_by_config(ctx):
+            # DeepSpeed's own fp32 gradient accumulation (data_types.grad_accum_dtype): ZeRO 1-3
+            # otherwise accumulate and partition every gradient in one buffer of the model dtype,
+            # which would round the kept parameters' fp32 gradients.  The 16-bit parameters'
+            # gradients then accumulate in fp32 too (2 more bytes per parameter of the partition).
             data_types = ds_config.setdefault("data_types", {})
             data_types["grad_accum_dtype"] = "fp32"
+        elif isinstance(ds_config.get("data_types"), dict):
+            # fp32 (the only value check_deepspeed_config lets through) would make DeepSpeed build
+            # its BF16_Optimizer on bf16 ZeRO 1; engine_ready switches the same accumulation on
+            ds_config["data_types"].pop("grad_accum_dtype", None)
 
     @override
     def attach(self, registry: HookRegistry, ctx: SetupContext) -> None:
@@ -85,8 +93,15 @@ class MixedLayersPlugin(ZeroPlugin):
     def engine_ready(self, engine: Any, registry: HookRegistry) -> None:
         state = self.state
         assert state is not None
-        if engine.zero_optimization_stage() == 3:
+        stage = engine.zero_optimization_stage()
+        if stage == 3:
             restore_zero3(engine.optimizer, state)
+        elif stage in (1, 2):
+            att = zerohooks.attachment(engine)
+            assert att is not None
+            if stage == 1 and not fp32_accumulation_by_config(att.setup):
+                install_fp32_accumulation(att, engine.optimizer)
+            install_fp32_staging(att, engine.optimizer)
         if not state.modules:
             raise RuntimeError("mixedlayers: the model was not prepared (pass model= to zerohooks.initialize)")
         if state.saved:
