@@ -14,7 +14,7 @@ from torch import nn
 
 from mixedlayers import MixedLayersConfig, MixedLayersPlugin, MixedState, select_modules, split_param_groups
 from mixedlayers.casting import install_boundary_hooks
-from mixedlayers.config import check_deepspeed_config, outermost
+from mixedlayers.config import add_sharers, check_deepspeed_config, outermost
 from mixedlayers.state import keep_fp32, restore_fp32, shadow_module_to
 from zerohooks import ConfigError
 from zerohooks.config import split_plugin_sections
@@ -241,3 +241,30 @@ def test_buffers_kept_and_inputs_left_alone_when_asked() -> None:
     assert net.blocks[0].scale.dtype == torch.float32 and net.blocks[1].scale.dtype == torch.bfloat16
     with pytest.raises(RuntimeError):  # bf16 input reaches the fp32 Linear unconverted
         net(torch.randn(2, 4, dtype=torch.bfloat16))
+
+
+def test_tied_weight_owners_are_kept_together() -> None:
+    """Keeping a head whose weight is the embedding's keeps the embedding too, with its casts."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(10, 8)
+            self.mid = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return self.head(self.mid(self.emb(t)))
+
+    net = Tied()
+    cfg = _section({"fp32_modules": ["head"]})
+    selected = add_sharers(net, select_modules(net, cfg))
+    assert list(selected) == ["emb", "head"]
+    state = MixedState(cfg, torch.bfloat16)
+    keep_fp32(state, net, selected, True)
+    state.boundaries = outermost(selected)
+    install_boundary_hooks(state)
+    net.mid.to(torch.bfloat16)
+    out = net(torch.tensor([[1, 2, 3]]))
+    assert out.dtype == torch.bfloat16 and net.emb.weight.dtype == torch.float32

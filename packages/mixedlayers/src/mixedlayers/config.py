@@ -19,7 +19,7 @@ from torch import nn
 
 from zerohooks import ConfigError, PluginConfig, SetupContext
 
-__all__ = ["MixedLayersConfig", "check_deepspeed_config", "outermost", "select_modules"]
+__all__ = ["MixedLayersConfig", "add_sharers", "check_deepspeed_config", "outermost", "select_modules"]
 
 OutputDtype = Literal["input", "train", "fp32"]
 
@@ -162,6 +162,21 @@ def select_modules(model: nn.Module, cfg: MixedLayersConfig) -> dict[str, nn.Mod
             )
         chosen.update(hits)
     return {n: m for n, m in named if n in chosen}
+
+
+def add_sharers(model: nn.Module, selected: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    """``selected`` plus every module that directly owns a parameter of a selected module.
+
+    A tied weight (an LM head sharing the token embedding's) is one parameter: kept in fp32 for
+    one owner, it is fp32 for all, so every owner needs the boundary casts.
+    """
+    kept = {id(p) for m in selected.values() for p in m.parameters()}
+    out = dict(selected)
+    for name, module in model.named_modules():
+        if name not in out and any(id(p) in kept for p in module.parameters(recurse=False)):
+            out[name] = module
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    return dict(sorted(out.items(), key=lambda kv: order[kv[0]]))
 
 
 def outermost(selected: dict[str, nn.Module]) -> dict[str, nn.Module]:

@@ -22,7 +22,13 @@ from typing_extensions import override
 
 import zerohooks
 from mixedlayers.casting import install_boundary_hooks
-from mixedlayers.config import MixedLayersConfig, check_deepspeed_config, outermost, select_modules
+from mixedlayers.config import (
+    MixedLayersConfig,
+    add_sharers,
+    check_deepspeed_config,
+    outermost,
+    select_modules,
+)
 from mixedlayers.state import MixedState, keep_fp32, shadow_module_to, split_param_groups
 from mixedlayers.zero3 import restore_zero3
 from mixedlayers.zero12 import fp32_accumulation_by_config, install_fp32_accumulation, install_fp32_staging
@@ -145,7 +151,7 @@ def _prepare_model(cfg: MixedLayersConfig, state: MixedState) -> PrepareModelHoo
                 "mixedlayers does not support models built under deepspeed.zero.Init (their parameters are "
                 "already partitioned in the training dtype); build the model normally, ZeRO 3 partitions it"
             )
-        selected = select_modules(model, cfg)
+        selected = add_sharers(model, select_modules(model, cfg))
         keep_fp32(state, model, selected, cfg.keep_buffers)
         state.boundaries = outermost(selected)
         install_boundary_hooks(state)
