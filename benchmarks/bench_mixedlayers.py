@@ -121,7 +121,9 @@ def _overflow_run(variant: str, stage: int, steps: int) -> dict[str, Any]:
         t = loss.detach().clone()
         dist.all_reduce(t)
         losses.append(float(t) / dist.get_world_size())
-        scales.append(float(getattr(engine.optimizer, "cur_scale", getattr(engine.optimizer, "loss_scale", 1.0))))
+        scales.append(
+            float(getattr(engine.optimizer, "cur_scale", getattr(engine.optimizer, "loss_scale", 1.0)))
+        )
     return {
         "variant": variant,
         "losses": losses,
@@ -146,7 +148,11 @@ def _overhead(steps: int, rounds: int, dtype_name: str, micro_batch: int, size: 
 
     cuda = torch.cuda.is_available() and os.environ.get("BENCH_DEVICE") == "cuda"
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
-    gcfg = GPTConfig() if size == "demo" else GPTConfig(vocab_size=32000, seq_len=1024, n_layer=12, n_head=12, d_model=768)
+    gcfg = (
+        GPTConfig()
+        if size == "demo"
+        else GPTConfig(vocab_size=32000, seq_len=1024, n_layer=12, n_head=12, d_model=768)
+    )
     section = {"fp32_modules": ["head"], "fp32_module_types": ["torch.nn.LayerNorm"]}
     names = ("uniform", "uniform (A/A)", "mixedlayers")
     engines = {}
@@ -208,7 +214,9 @@ def _ranks(fn: Any, world: int, args: tuple[Any, ...], cuda: bool) -> list[Any]:
 
         return run_distributed(fn, world, args=args, timeout=3000, fp16_on_cpu=True)
     if world != 1:
-        raise SystemExit("--device cuda runs one rank in this process: use --ranks 1 (or the deepspeed launcher)")
+        raise SystemExit(
+            "--device cuda runs one rank in this process: use --ranks 1 (or the deepspeed launcher)"
+        )
     os.environ.update(BENCH_DEVICE="cuda", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29513")
@@ -226,7 +234,11 @@ def _plot(runs: list[dict[str, Any]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for run in runs:
-        ax.plot(range(len(run["losses"])), run["losses"], label=f"{run['variant']} (skipped {run['skipped_steps']})")
+        ax.plot(
+            range(len(run["losses"])),
+            run["losses"],
+            label=f"{run['variant']} (skipped {run['skipped_steps']})",
+        )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("train loss (mean over ranks)")
     ax.set_title("fp16 overflow through a running sum + LayerNorm")
@@ -275,7 +287,10 @@ def main() -> int:
     if "overhead" in only:
         cuda = args.device == "cuda"
         ov = _ranks(
-            _overhead, args.ranks, (args.round_steps, args.rounds, args.dtype, args.micro_batch, args.size), cuda
+            _overhead,
+            args.ranks,
+            (args.round_steps, args.rounds, args.dtype, args.micro_batch, args.size),
+            cuda,
         )[0]
         result["overhead"] = ov
         base = ov["median_step_s"]["uniform"]

@@ -198,6 +198,8 @@ add_run(
     lambda cfg: cfg.update(communication_data_type="bf16"),
     help="DeepSpeed's reduction in bf16 (LoCo's baseline on fp32 CPUs)",
 )
+
+
 def _mixedlayers(cfg: dict[str, Any]) -> None:
     """LayerNorms and the (tied) head in fp32 inside a 16-bit model: bf16 when --dtype is fp32."""
     if not any(isinstance(cfg.get(k), dict) and cfg[k].get("enabled") for k in ("bf16", "fp16")):

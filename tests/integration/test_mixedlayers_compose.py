@@ -55,13 +55,22 @@ def _scenarios(cases: list[tuple[str, int]]) -> dict[str, Any]:
         for name in combo.split("+"):
             secs.update(sections[name])
         model = make_model()
-        cfg = ds_config(stage, "bf16", sections=secs, optimizer={"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}})
+        cfg = ds_config(
+            stage,
+            "bf16",
+            sections=secs,
+            optimizer={"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        )
         engine, *_ = zerohooks.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         losses = train(engine, 4, 2)
         params = dict(engine.module.named_parameters())
         with deepspeed.zero.GatheredParameters(list(params.values()), enabled=stage == 3):
             dtypes = {n: str(p.dtype) for n, p in params.items()}
-        out[f"{combo}/z{stage}"] = {"losses": losses, "dtypes": dtypes, "finite": bool(torch.isfinite(torch.tensor(losses)).all())}
+        out[f"{combo}/z{stage}"] = {
+            "losses": losses,
+            "dtypes": dtypes,
+            "finite": bool(torch.isfinite(torch.tensor(losses)).all()),
+        }
     return out
 
 

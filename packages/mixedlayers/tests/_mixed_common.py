@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerohooks.testing.toy import DTYPES, batch, ds_config, full_params, loss_fn, make_model, train
+from zerohooks.testing.toy import DTYPES, batch, ds_config, loss_fn, make_model, train
 
 SECTION: dict[str, Any] = {"fp32_modules": ["fc2"], "fp32_module_types": ["torch.nn.LayerNorm"]}
 """The mixedlayers section of every scenario: the LayerNorm (by type) and the last Linear."""
@@ -75,7 +75,9 @@ def param_dtypes(engine: Any) -> dict[str, str]:
     import deepspeed
 
     params = dict(engine.module.named_parameters())
-    with deepspeed.zero.GatheredParameters(list(params.values()), enabled=engine.zero_optimization_stage() == 3):
+    with deepspeed.zero.GatheredParameters(
+        list(params.values()), enabled=engine.zero_optimization_stage() == 3
+    ):
         return {n: str(p.dtype).removeprefix("torch.") for n, p in params.items()}
 
 
@@ -172,7 +174,9 @@ def training_scenario(stage: int, dtype: str, offload: bool, tmp: str) -> dict[s
     m = masters(engine)
     out["masters_init_exact"] = {n: bool(torch.equal(m[n], initial[n])) for n in KEPT}
     out["grads"] = grads_before_step(engine)
-    out["ref_grads"] = reference_grads(dtype, 0, dist.get_world_size(), scale=FP16_STATIC["loss_scale"] if fp16 else 1.0)
+    out["ref_grads"] = reference_grads(
+        dtype, 0, dist.get_world_size(), scale=FP16_STATIC["loss_scale"] if fp16 else 1.0
+    )
     out["losses"] = train(engine, STEPS - 1, GAS, first=1)
     out["dtypes_trained"] = param_dtypes(engine)
     ckpt = os.path.join(tmp, case_name(stage, dtype, offload))

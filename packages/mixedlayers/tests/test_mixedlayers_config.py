@@ -72,7 +72,9 @@ def test_empty_selection_is_an_error() -> None:
 
 
 def test_unknown_key_names_the_close_key() -> None:
-    with pytest.raises(ConfigError, match=r"mixedlayers\.fp32_module: unknown key \(did you mean 'fp32_modules'\?\)"):
+    with pytest.raises(
+        ConfigError, match=r"mixedlayers\.fp32_module: unknown key \(did you mean 'fp32_modules'\?\)"
+    ):
         _section({"fp32_module": ["head"]})
 
 
@@ -104,10 +106,18 @@ def test_deepspeed_settings_refused(edit: Any, match: str) -> None:
 
 @pytest.mark.parametrize(
     ("stage", "dtype", "offload", "by_config"),
-    [(0, "bf16", False, False), (1, "bf16", False, False), (1, "bf16", True, True), (1, "fp16", False, True),
-     (2, "bf16", False, True), (3, "fp16", False, True)],
+    [
+        (0, "bf16", False, False),
+        (1, "bf16", False, False),
+        (1, "bf16", True, True),
+        (1, "fp16", False, True),
+        (2, "bf16", False, True),
+        (3, "fp16", False, True),
+    ],
 )
-def test_fp32_accumulation_through_deepspeed_config(stage: int, dtype: str, offload: bool, by_config: bool) -> None:
+def test_fp32_accumulation_through_deepspeed_config(
+    stage: int, dtype: str, offload: bool, by_config: bool
+) -> None:
     """DeepSpeed's grad_accum_dtype is set except where it would swap in BF16_Optimizer (bf16
     ZeRO 1 without offload: the plugin switches the accumulation on per instance instead)."""
     plugin = MixedLayersPlugin(_section({"fp32_modules": ["head"]}))
@@ -119,7 +129,9 @@ def test_fp32_accumulation_through_deepspeed_config(stage: int, dtype: str, offl
 # -- selection -----------------------------------------------------------------------------------
 def test_globs_and_types_select_subclasses() -> None:
     net = Net()
-    got = select_modules(net, _section({"fp32_modules": ["head"], "fp32_module_types": ["torch.nn.LayerNorm"]}))
+    got = select_modules(
+        net, _section({"fp32_modules": ["head"], "fp32_module_types": ["torch.nn.LayerNorm"]})
+    )
     assert list(got) == ["blocks.0.norm", "blocks.1.norm", "head"]
     bare = select_modules(net, _section({"fp32_module_types": ["LayerNorm"]}))
     assert list(bare) == ["blocks.0.norm", "blocks.1.norm"]
@@ -129,7 +141,10 @@ def test_globs_and_types_select_subclasses() -> None:
 
 
 def test_glob_matching_nothing_lists_close_names() -> None:
-    with pytest.raises(ConfigError, match=r'"blocks\.\*\.nrom" matches no module of Net; close module names: .*blocks\.0\.norm'):
+    with pytest.raises(
+        ConfigError,
+        match=r'"blocks\.\*\.nrom" matches no module of Net; close module names: .*blocks\.0\.norm',
+    ):
         select_modules(Net(), _section({"fp32_modules": ["blocks.*.nrom"]}))
 
 
@@ -138,7 +153,7 @@ def test_type_matching_nothing_lists_close_classes() -> None:
         select_modules(Net(), _section({"fp32_module_types": ["torch.nn.RMSNorm"]}))
     with pytest.raises(ConfigError, match="cannot import"):
         select_modules(Net(), _section({"fp32_module_types": ["torch.nn.NoSuchNorm"]}))
-    with pytest.raises(ConfigError, match="not a torch.nn.Module subclass"):
+    with pytest.raises(ConfigError, match=r"not a torch\.nn\.Module subclass"):
         select_modules(Net(), _section({"fp32_module_types": ["torch.float32"]}))
 
 
@@ -161,8 +176,15 @@ def test_split_param_groups_keeps_hyperparameters_and_puts_16bit_first() -> None
         {"params": list(net.blocks.parameters()), "weight_decay": 0.0},
     ]
     out = split_param_groups(state, groups)
-    kinds = [({state.is_fp32(p) for p in g["params"]}, {k: v for k, v in g.items() if k != "params"}) for g in out]
-    assert kinds == [({False}, {"lr": 0.1}), ({False}, {"weight_decay": 0.0}), ({True}, {"lr": 0.1}), ({True}, {"weight_decay": 0.0})]
+    kinds = [
+        ({state.is_fp32(p) for p in g["params"]}, {k: v for k, v in g.items() if k != "params"}) for g in out
+    ]
+    assert kinds == [
+        ({False}, {"lr": 0.1}),
+        ({False}, {"weight_decay": 0.0}),
+        ({True}, {"lr": 0.1}),
+        ({True}, {"weight_decay": 0.0}),
+    ]
     assert sum(len(g["params"]) for g in out) == len(list(net.parameters()))
     flat = split_param_groups(state, net.parameters())
     assert [len(g["params"]) for g in flat] == [6, 6]
@@ -194,7 +216,7 @@ def test_boundary_casts_forward_and_backward() -> None:
     torch.manual_seed(0)
     net = Net()
     state = _prepared(net, {"fp32_modules": ["head"], "fp32_module_types": ["LayerNorm"]})
-    for n, p in net.named_parameters():
+    for p in net.parameters():
         if not state.is_fp32(p):
             p.data = p.data.to(torch.bfloat16)
     for b in net.buffers():
@@ -221,7 +243,10 @@ def test_boundary_casts_forward_and_backward() -> None:
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in net.modules())
 
 
-@pytest.mark.parametrize(("output_dtype", "expected"), [("input", torch.float16), ("train", torch.bfloat16), ("fp32", torch.float32)])
+@pytest.mark.parametrize(
+    ("output_dtype", "expected"),
+    [("input", torch.float16), ("train", torch.bfloat16), ("fp32", torch.float32)],
+)
 def test_output_dtype(output_dtype: str, expected: torch.dtype) -> None:
     net = nn.Sequential(nn.Linear(4, 4))
     _prepared(net, {"fp32_modules": ["0"], "output_dtype": output_dtype})

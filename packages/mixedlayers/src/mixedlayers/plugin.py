@@ -109,7 +109,9 @@ class MixedLayersPlugin(ZeroPlugin):
                 install_fp32_accumulation(att, engine.optimizer)
             install_fp32_staging(att, engine.optimizer)
         if not state.modules:
-            raise RuntimeError("mixedlayers: the model was not prepared (pass model= to zerohooks.initialize)")
+            raise RuntimeError(
+                "mixedlayers: the model was not prepared (pass model= to zerohooks.initialize)"
+            )
         if state.saved:
             raise RuntimeError(
                 "mixedlayers: DeepSpeed did not call module.to(device) after casting the model (was "
@@ -117,7 +119,9 @@ class MixedLayersPlugin(ZeroPlugin):
             )
         wrong = [p for p in state.params if p.dtype != torch.float32]
         if wrong:
-            raise RuntimeError(f"mixedlayers: {len(wrong)} kept parameters are not fp32 after DeepSpeed's init")
+            raise RuntimeError(
+                f"mixedlayers: {len(wrong)} kept parameters are not fp32 after DeepSpeed's init"
+            )
         _check_groups(engine, state)
         _states[id(engine)] = state
         self._engine_id = id(engine)

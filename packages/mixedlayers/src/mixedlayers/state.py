@@ -108,7 +108,7 @@ def restore_fp32(state: MixedState, params: bool = True) -> int:
     partitions the parameters first: :mod:`mixedlayers.zero3` restores them afterwards).
     """
     restored = 0
-    pending = []
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
     for t, data in state.saved:
         if not params and isinstance(t, nn.Parameter):
             pending.append((t, data))
