@@ -220,8 +220,11 @@ def _portable(obj: Any) -> Any:
 def detach_scenario() -> dict[str, Any]:
     """Detaching removes the boundary casts: the kept modules then see their inputs as given."""
     import zerohooks
+    from mixedlayers import mixed_state
 
     engine = build(2, "bf16", False)
+    state = mixed_state(engine)
+    kept_modules = sorted(state.modules) if state is not None else []
     norm = engine.module.norm
     seen: list[torch.dtype] = []
     handle = norm.register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
@@ -245,4 +248,6 @@ def detach_scenario() -> dict[str, Any]:
         "hooks": (hooks_before, hooks_after),
         "to_shadowed": "to" in engine.module.__dict__,
         "error": error,
+        "kept_modules": kept_modules,
+        "state_after_detach": mixed_state(engine) is None,
     }

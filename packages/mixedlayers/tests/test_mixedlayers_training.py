@@ -105,3 +105,5 @@ def test_detach_removes_boundary_casts(two_ranks: list[dict[str, Any]]) -> None:
         assert not res["to_shadowed"]
         assert res["seen"][-1] == "float64", "the forward should fail without the casts"
         assert res["error"]
+        assert res["kept_modules"] == ["fc2", "norm"]
+        assert res["state_after_detach"]

@@ -6,8 +6,9 @@ How each piece of DeepSpeed is kept from losing the fp32 modules:
 * optimizers flattening each param group into one buffer (FP16_Optimizer, BF16_Optimizer,
   ZeRO 1/2/3): every group is split into a 16-bit and an fp32 group (``prepare_parameters``);
 * the gradient collective in the 16-bit communication dtype: the fp32 parameters' gradients
-  are reduced in fp32 (``reduce_dtype``), and they accumulate in fp32 (``param.grad`` has the
-  parameter's dtype, ZeRO 3 accumulates partitions in fp32);
+  are reduced in fp32 (``reduce_dtype``); they are accumulated, staged and partitioned in fp32
+  (:mod:`mixedlayers.zero12`, DeepSpeed's ``grad_accum_dtype`` on ZeRO 2/3);
+* ZeRO 3's single flat buffer of parameter partitions: :mod:`mixedlayers.zero3`;
 * fp16 loss scaling: the scaled loss flows through both kinds of modules, and DeepSpeed unscales
   and checks for overflow over every group, fp32 ones included.
 """
@@ -46,12 +47,14 @@ LAST = 1000
 """Order of the ``reduce_dtype`` hook: whatever other plugins chose, fp32 gradients are never
 reduced in a narrower dtype."""
 
-_states: dict[int, MixedState] = {}
-
 
 def mixed_state(engine: Any) -> MixedState | None:
     """The :class:`MixedState` of an engine built with mixedlayers, else None."""
-    return _states.get(id(engine))
+    att = zerohooks.attachment(engine)
+    for plugin in att.plugins if att is not None else ():
+        if isinstance(plugin, MixedLayersPlugin):
+            return plugin.state
+    return None
 
 
 class MixedLayersPlugin(ZeroPlugin):
@@ -65,7 +68,6 @@ class MixedLayersPlugin(ZeroPlugin):
         super().__init__(config)
         self.state: MixedState | None = None
         """Created in :meth:`attach`."""
-        self._engine_id: int | None = None
 
     @property
     def cfg(self) -> MixedLayersConfig:
@@ -123,15 +125,11 @@ class MixedLayersPlugin(ZeroPlugin):
                 f"mixedlayers: {len(wrong)} kept parameters are not fp32 after DeepSpeed's init"
             )
         _check_groups(engine, state)
-        _states[id(engine)] = state
-        self._engine_id = id(engine)
 
     @override
     def close(self) -> None:
         if self.state is not None:
             self.state.release()
-        if self._engine_id is not None:
-            _states.pop(self._engine_id, None)
 
 
 def _check_groups(engine: Any, state: MixedState) -> None:
@@ -173,10 +171,8 @@ def _prepare_parameters(state: MixedState) -> PrepareParametersHook:
 
 
 def _reduce_dtype(state: MixedState) -> ReduceDtypeHook:
-    ids = state
-
     def reduce_dtype(param: nn.Parameter, dtype: torch.dtype) -> torch.dtype:
-        if ids.is_fp32(param) and dtype.itemsize < 4:
+        if state.is_fp32(param) and dtype.itemsize < 4:
             return torch.float32
         return dtype
 

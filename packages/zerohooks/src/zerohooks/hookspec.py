@@ -6,8 +6,8 @@ code that fires them; plugins only implement them.
 
 Two kinds of hooks exist:
 
-*transforms* (``prepare_model``, ``micro_step_grad``, ``reduce_dtype``, ``reduce_tensor``,
-``before_step``, ``after_step``) compose: every registered callback runs, in ascending
+*transforms* (``prepare_model``, ``prepare_parameters``, ``micro_step_grad``, ``reduce_dtype``,
+``reduce_tensor``, ``before_step``, ``after_step``) compose: every registered callback runs, in ascending
 ``order`` and then by name, each one receiving what the previous one returned;
 
 *owners* (the gradient collective, :class:`GradientReducer`, and the ZeRO-3 NVMe optimizer
