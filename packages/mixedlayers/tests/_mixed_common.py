@@ -161,14 +161,18 @@ def grads_before_step(engine: Any) -> dict[str, torch.Tensor]:
     return grads
 
 
-def training_scenario(stage: int, dtype: str, offload: bool, tmp: str) -> dict[str, Any]:
-    """Init, gradients, training, checkpoint round trip for one case."""
+def training_scenario(
+    stage: int, dtype: str, offload: bool, tmp: str, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Init, gradients, training, checkpoint round trip for one case (``extra``: top-level
+    DeepSpeed config keys to override)."""
+    extra = extra or {}
     import torch.distributed as dist
 
     out: dict[str, Any] = {}
     initial = {n: p.detach().clone() for n, p in make_model().named_parameters()}
     fp16 = FP16_STATIC if dtype == "fp16" else None
-    engine = build(stage, dtype, offload, fp16=fp16)
+    engine = build(stage, dtype, offload, fp16=fp16, **extra)
     out["optimizer"] = type(engine.optimizer).__name__
     out["dtypes_init"] = param_dtypes(engine)
     m = masters(engine)
@@ -184,14 +188,14 @@ def training_scenario(stage: int, dtype: str, offload: bool, tmp: str) -> dict[s
     before = masters(engine)
     after_save = train(engine, 1, GAS, first=STEPS)
 
-    engine2 = build(stage, dtype, offload, fp16=fp16)
+    engine2 = build(stage, dtype, offload, fp16=fp16, **extra)
     engine2.load_checkpoint(ckpt, tag="t")
     out["dtypes_loaded"] = param_dtypes(engine2)
     loaded = masters(engine2)
     out["masters_loaded_equal"] = {n: bool(torch.equal(loaded[n], before[n])) for n in before}
     out["resumed_losses"] = (after_save, train(engine2, 1, GAS, first=STEPS))
 
-    ref = build(stage, "fp32", offload, mixed=False)
+    ref = build(stage, "fp32", offload, mixed=False, **extra)
     out["fp32_losses"] = train(ref, STEPS - 1, GAS, first=1)
     return out
 
@@ -215,6 +219,13 @@ def _portable(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_portable(v) for v in obj)
     return obj
+
+
+def three_rank_scenario(tmp: str) -> dict[str, Any]:
+    """ZeRO 3 on 3 ranks with no persistent parameters: every kept parameter is partitioned, and
+    partitions of sizes not divisible by 3 (fc2.bias, 8 elements) are padded."""
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    return _portable(training_scenario(3, "bf16", False, tmp, {"zero_optimization": zero}))
 
 
 def detach_scenario() -> dict[str, Any]:
