@@ -206,6 +206,7 @@ def all_two_rank_scenarios(tmp: str) -> dict[str, Any]:
     for case in CASES:
         results[case_name(*case)] = training_scenario(*case, tmp)
     results["detach"] = detach_scenario()
+    results["frozen"] = {f"z{stage}": frozen_scenario(stage) for stage in (2, 3)}
     return _portable(results)
 
 
@@ -226,6 +227,29 @@ def three_rank_scenario(tmp: str) -> dict[str, Any]:
     partitions of sizes not divisible by 3 (fc2.bias, 8 elements) are padded."""
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
     return _portable(training_scenario(3, "bf16", False, tmp, {"zero_optimization": zero}))
+
+
+def frozen_scenario(stage: int) -> dict[str, Any]:
+    """A kept module with frozen parameters (the LayerNorm) stays fp32 and unchanged."""
+    import zerohooks
+
+    model = make_model()
+    for p in model.norm.parameters():
+        p.requires_grad_(False)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    cfg = ds_config(stage, "bf16", gas=GAS, sections={"mixedlayers": SECTION}, optimizer=OPTIMIZER)
+    engine, *_ = zerohooks.initialize(model=model, model_parameters=trainable, config=cfg)
+    losses = train(engine, 2, GAS)
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+        norm = {n: p.detach().clone() for n, p in engine.module.named_parameters() if n.startswith("norm.")}
+    return {
+        "dtypes": param_dtypes(engine),
+        "norm_unchanged": {n: bool(torch.equal(t, initial[n])) for n, t in norm.items()},
+        "losses": losses,
+    }
 
 
 def detach_scenario() -> dict[str, Any]:

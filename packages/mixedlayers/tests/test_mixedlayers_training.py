@@ -107,3 +107,12 @@ def test_detach_removes_boundary_casts(two_ranks: list[dict[str, Any]]) -> None:
         assert res["error"]
         assert res["kept_modules"] == ["fc2", "norm"]
         assert res["state_after_detach"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_frozen_kept_parameters(two_ranks: list[dict[str, Any]], stage: int) -> None:
+    for res in _cases(two_ranks, "frozen"):
+        r = res[f"z{stage}"]
+        assert r["dtypes"] == _expected_dtypes("bf16")
+        assert r["norm_unchanged"] == {"norm.weight": True, "norm.bias": True}
+        assert torch.isfinite(torch.tensor(r["losses"])).all()

@@ -89,5 +89,16 @@ def restore_zero3(opt: Any, state: MixedState) -> int:
         if master is not None:
             master.data.copy_(flat.to(master.device))
         changed += 1
+    in_groups = {id(p) for group in opt.fp16_groups for p in group}
+    for p in state.params:  # frozen kept parameters: partitioned on their own, outside the groups
+        if id(p) in in_groups or not hasattr(p, "ds_tensor") or p.ds_tensor.dtype == torch.float32:
+            continue
+        part = torch.zeros(p.ds_tensor.numel(), dtype=torch.float32, device=p.ds_tensor.device)
+        _partition_of(p, saved[id(p)], part)
+        p.ds_tensor.data = part
+        if p.data.numel() == 0:
+            p.data = torch.empty(0, dtype=torch.float32, device=p.data.device)
+        else:
+            p.data = saved[id(p)].to(p.data.device).view(p.ds_shape)
     state.saved = [(t, d) for t, d in state.saved if id(t) not in {id(p) for p in state.params}]
     return changed
