@@ -267,7 +267,9 @@ def detach_scenario() -> dict[str, Any]:
     with torch.no_grad():
         engine.module(tokens)
         hooks_before = len(norm._forward_pre_hooks) + len(norm._forward_hooks)
+        patched = "setup_buckets" in engine.optimizer.__dict__
         zerohooks.detach(engine)
+        unpatched = "setup_buckets" not in engine.optimizer.__dict__
         hooks_after = len(norm._forward_pre_hooks) + len(norm._forward_hooks)
         engine.module.norm(torch.zeros(2, 48, dtype=torch.bfloat16).float())
         try:
@@ -284,5 +286,6 @@ def detach_scenario() -> dict[str, Any]:
         "to_shadowed": "to" in engine.module.__dict__,
         "error": error,
         "kept_modules": kept_modules,
+        "staging_patch": (patched, unpatched),
         "state_after_detach": mixed_state(engine) is None,
     }

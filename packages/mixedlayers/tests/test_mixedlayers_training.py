@@ -106,6 +106,7 @@ def test_detach_removes_boundary_casts(two_ranks: list[dict[str, Any]]) -> None:
         assert res["seen"][-1] == "float64", "the forward should fail without the casts"
         assert res["error"]
         assert res["kept_modules"] == ["fc2", "norm"]
+        assert res["staging_patch"] == (True, True)  # ZeRO 2's setup_buckets, patched then restored
         assert res["state_after_detach"]
 
 
