@@ -207,6 +207,7 @@ def all_two_rank_scenarios(tmp: str) -> dict[str, Any]:
         results[case_name(*case)] = training_scenario(*case, tmp)
     results["detach"] = detach_scenario()
     results["frozen"] = {f"z{stage}": frozen_scenario(stage) for stage in (2, 3)}
+    results["client_optimizer"] = client_optimizer_scenario()
     return _portable(results)
 
 
@@ -250,6 +251,19 @@ def frozen_scenario(stage: int) -> dict[str, Any]:
         "norm_unchanged": {n: bool(torch.equal(t, initial[n])) for n, t in norm.items()},
         "losses": losses,
     }
+
+
+def client_optimizer_scenario() -> dict[str, Any]:
+    """An optimizer object (one mixed group) instead of model_parameters, ZeRO 2."""
+    import zerohooks
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    cfg = ds_config(2, "bf16", gas=GAS, sections={"mixedlayers": SECTION})
+    cfg.pop("optimizer")
+    engine, *_ = zerohooks.initialize(model=model, optimizer=opt, config=cfg)
+    losses = train(engine, 2, GAS)
+    return {"dtypes": param_dtypes(engine), "groups": len(opt.param_groups), "losses": losses}
 
 
 def detach_scenario() -> dict[str, Any]:

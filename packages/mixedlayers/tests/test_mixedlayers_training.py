@@ -117,3 +117,10 @@ def test_frozen_kept_parameters(two_ranks: list[dict[str, Any]], stage: int) -> 
         assert r["dtypes"] == _expected_dtypes("bf16")
         assert r["norm_unchanged"] == {"norm.weight": True, "norm.bias": True}
         assert torch.isfinite(torch.tensor(r["losses"])).all()
+
+
+def test_client_optimizer_object_is_split(two_ranks: list[dict[str, Any]]) -> None:
+    for res in _cases(two_ranks, "client_optimizer"):
+        assert res["groups"] == 2
+        assert res["dtypes"] == _expected_dtypes("bf16")
+        assert torch.isfinite(torch.tensor(res["losses"])).all()

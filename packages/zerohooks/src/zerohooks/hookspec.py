@@ -135,7 +135,9 @@ class PrepareParametersHook(Protocol):
     ``deepspeed.initialize``, only when ``model_parameters`` was given.  Receives the parameters
     as the caller gave them or as the previous hook returned them (an iterable of tensors or of
     param-group dicts; a generator may be consumed once) and the prepared model; returns what
-    to hand on (None keeps the input, which is then only safe when it was not consumed).
+    to hand on (None keeps the input, which is then only safe when it was not consumed).  When
+    ``optimizer`` is an optimizer object, it also fires on a list of that optimizer's
+    ``param_groups``, and the result replaces them in place.
     """
 
     def __call__(self, model_parameters: Any, model: nn.Module, ctx: SetupContext) -> Any: ...
