@@ -124,25 +124,11 @@ class MixedLayersPlugin(ZeroPlugin):
             raise RuntimeError(
                 f"mixedlayers: {len(wrong)} kept parameters are not fp32 after DeepSpeed's init"
             )
-        _check_groups(engine, state)
 
     @override
     def close(self) -> None:
         if self.state is not None:
             self.state.release()
-
-
-def _check_groups(engine: Any, state: MixedState) -> None:
-    """Each optimizer param group must hold one dtype (a client optimizer object was not split)."""
-    opt = getattr(engine, "basic_optimizer", None) or engine.optimizer
-    for i, group in enumerate(getattr(opt, "param_groups", [])):
-        kinds = {state.is_fp32(p) for p in group["params"]}
-        if len(kinds) > 1:
-            raise ConfigError(
-                f"mixedlayers: optimizer param group {i} mixes fp32 and 16-bit parameters. Pass "
-                "model_parameters= (and the optimizer class or the config's optimizer section) to "
-                "zerohooks.initialize instead of an optimizer object, so mixedlayers can split the groups"
-            )
 
 
 # -- hook factories ------------------------------------------------------------------------------

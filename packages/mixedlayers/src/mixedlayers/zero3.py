@@ -90,8 +90,9 @@ def restore_zero3(opt: Any, state: MixedState) -> int:
             master.data.copy_(flat.to(master.device))
         changed += 1
     in_groups = {id(p) for group in opt.fp16_groups for p in group}
-    for p in state.params:  # frozen kept parameters: partitioned on their own, outside the groups
-        if id(p) in in_groups or not hasattr(p, "ds_tensor") or p.ds_tensor.dtype == torch.float32:
+    frozen: list[Any] = [p for p in state.params if id(p) not in in_groups]  # ZeRO-3 attributes
+    for p in frozen:  # frozen kept parameters: partitioned on their own, outside the groups
+        if not hasattr(p, "ds_tensor") or p.ds_tensor.dtype == torch.float32:
             continue
         part = torch.zeros(p.ds_tensor.numel(), dtype=torch.float32, device=p.ds_tensor.device)
         _partition_of(p, saved[id(p)], part)
