@@ -132,7 +132,7 @@ class PrepareParametersHook(Protocol):
     """Transform the ``model_parameters`` handed to ``deepspeed.initialize`` (e.g. split groups).
 
     Fires once, in ``zerohooks.initialize``, after the ``prepare_model`` hooks and before
-    ``deepspeed.initialize``, only when ``model_parameters`` was given.  Receives the parameters
+    ``deepspeed.initialize``, on ``model_parameters`` when it was given.  Receives the parameters
     as the caller gave them or as the previous hook returned them (an iterable of tensors or of
     param-group dicts; a generator may be consumed once) and the prepared model; returns what
     to hand on (None keeps the input, which is then only safe when it was not consumed).  When
