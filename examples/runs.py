@@ -198,6 +198,28 @@ add_run(
     lambda cfg: cfg.update(communication_data_type="bf16"),
     help="DeepSpeed's reduction in bf16 (LoCo's baseline on fp32 CPUs)",
 )
+
+
+def _mixedlayers(cfg: dict[str, Any]) -> None:
+    """LayerNorms and the (tied) head in fp32 inside a 16-bit model: bf16 when --dtype is fp32."""
+    if not any(isinstance(cfg.get(k), dict) and cfg[k].get("enabled") for k in ("bf16", "fp16")):
+        cfg["bf16"] = {"enabled": True}
+    cfg["mixedlayers"] = {"fp32_modules": ["head"], "fp32_module_types": ["torch.nn.LayerNorm"]}
+
+
+def _uniform16(cfg: dict[str, Any]) -> None:
+    """The same 16-bit model without mixedlayers (mixedlayers' baseline)."""
+    if not any(isinstance(cfg.get(k), dict) and cfg[k].get("enabled") for k in ("bf16", "fp16")):
+        cfg["bf16"] = {"enabled": True}
+
+
+add_run(
+    "mixedlayers",
+    _mixedlayers,
+    plugins=("mixedlayers",),
+    help="LayerNorms and the head in fp32 inside the bf16 (or --dtype fp16) model",
+)
+add_run("bf16", _uniform16, help="the whole model in bf16 (or --dtype fp16): mixedlayers' baseline")
 add_run(
     "loco-2level",
     {"loco": {"hierarchy": "two_level", "node_size": 2}},

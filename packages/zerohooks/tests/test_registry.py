@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -80,3 +82,19 @@ def test_prepare_model_transforms_chain() -> None:
     reg.register_prepare_model(lambda model, ctx: None, name="keeps", order=0)
     reg.register_prepare_model(lambda model, ctx: m2 if model is m1 else None, name="swaps", order=1)
     assert reg.run_prepare_model(m1, None) is m2
+
+
+def test_prepare_parameters_transforms_chain() -> None:
+    reg = HookRegistry()
+    seen: list[Any] = []
+    reg.register_prepare_parameters(
+        lambda ps, model, ctx: seen.append(list(ps)) or None, name="reads", order=0
+    )
+    h = reg.register_prepare_parameters(lambda ps, model, ctx: [{"params": ps}], name="groups", order=1)
+    assert reg.run_prepare_parameters([1, 2], None, None) == [{"params": [1, 2]}]
+    assert seen == [[1, 2]]
+    h.remove()
+    assert reg.run_prepare_parameters([3], None, None) == [3]
+    reg.seal()
+    with pytest.raises(RuntimeError, match="before the engine is built"):
+        reg.register_prepare_parameters(lambda ps, model, ctx: None, name="late")

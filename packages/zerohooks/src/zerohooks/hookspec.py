@@ -6,8 +6,8 @@ code that fires them; plugins only implement them.
 
 Two kinds of hooks exist:
 
-*transforms* (``prepare_model``, ``micro_step_grad``, ``reduce_dtype``, ``reduce_tensor``,
-``before_step``, ``after_step``, ``gather_dtype``) compose: every registered callback runs, in ascending
+*transforms* (``prepare_model``, ``prepare_parameters``, ``micro_step_grad``, ``reduce_dtype``,
+``reduce_tensor``, ``before_step``, ``after_step``, ``gather_dtype``) compose: every registered callback runs, in ascending
 ``order`` and then by name, each one receiving what the previous one returned;
 
 *owners* (the gradient collective, :class:`GradientReducer`, and the ZeRO-3 NVMe optimizer
@@ -33,6 +33,7 @@ __all__ = [
     "GradientReducer",
     "MicroStepGradHook",
     "PrepareModelHook",
+    "PrepareParametersHook",
     "ReduceBucket",
     "ReduceDtypeHook",
     "ReduceTensorHook",
@@ -126,6 +127,21 @@ class PrepareModelHook(Protocol):
     """
 
     def __call__(self, model: nn.Module, ctx: SetupContext) -> nn.Module | None: ...
+
+
+class PrepareParametersHook(Protocol):
+    """Transform the ``model_parameters`` handed to ``deepspeed.initialize`` (e.g. split groups).
+
+    Fires once, in ``zerohooks.initialize``, after the ``prepare_model`` hooks and before
+    ``deepspeed.initialize``, on ``model_parameters`` when it was given.  Receives the parameters
+    as the caller gave them or as the previous hook returned them (an iterable of tensors or of
+    param-group dicts; a generator may be consumed once) and the prepared model; returns what
+    to hand on (None keeps the input, which is then only safe when it was not consumed).  When
+    ``optimizer`` is an optimizer object, it also fires on a list of that optimizer's
+    ``param_groups``, and the result replaces them in place.
+    """
+
+    def __call__(self, model_parameters: Any, model: nn.Module, ctx: SetupContext) -> Any: ...
 
 
 class MicroStepGradHook(Protocol):

@@ -88,6 +88,15 @@ def initialize(*args: Any, plugins: Sequence[ZeroPlugin] = (), **kwargs: Any) ->
         p.attach(registry, ctx)
     if params.get("model") is not None:
         params["model"] = registry.run_prepare_model(params["model"], ctx)
+    if params.get("model_parameters") is not None and registry.prepare_parameters.frozen:
+        params["model_parameters"] = registry.run_prepare_parameters(
+            params["model_parameters"], params.get("model"), ctx
+        )
+    client = params.get("optimizer")
+    if isinstance(client, torch.optim.Optimizer) and registry.prepare_parameters.frozen:
+        # an optimizer object: its param groups take the transform, in place (before any step)
+        groups = registry.run_prepare_parameters(list(client.param_groups), params.get("model"), ctx)
+        client.param_groups[:] = list(groups)
     if source is not None:
         params["config"] = ds_config
     result = deepspeed.initialize(*bound.args, **bound.kwargs)

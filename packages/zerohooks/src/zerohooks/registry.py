@@ -20,6 +20,7 @@ from zerohooks.hookspec import (
     GradientReducer,
     MicroStepGradHook,
     PrepareModelHook,
+    PrepareParametersHook,
     ReduceDtypeHook,
     ReduceTensorHook,
     StateProvider,
@@ -134,6 +135,7 @@ class HookRegistry:
     def __init__(self) -> None:
         self.prepare_model: _HookList[PrepareModelHook] = _HookList("prepare_model")
         self.micro_step_grad: _HookList[MicroStepGradHook] = _HookList("micro_step_grad")
+        self.prepare_parameters: _HookList[PrepareParametersHook] = _HookList("prepare_parameters")
         self.reduce_dtype: _HookList[ReduceDtypeHook] = _HookList("reduce_dtype")
         self.reduce_tensor: _HookList[ReduceTensorHook] = _HookList("reduce_tensor")
         self.before_step: _HookList[BeforeStepHook] = _HookList("before_step")
@@ -150,6 +152,14 @@ class HookRegistry:
         if self._sealed:
             raise RuntimeError("prepare_model hooks must be registered before the engine is built")
         return self.prepare_model.add(fn, order, name)
+
+    def register_prepare_parameters(
+        self, fn: PrepareParametersHook, *, name: str, order: int = 0
+    ) -> RemovableHandle:
+        """Register a :class:`~zerohooks.hookspec.PrepareParametersHook`."""
+        if self._sealed:
+            raise RuntimeError("prepare_parameters hooks must be registered before the engine is built")
+        return self.prepare_parameters.add(fn, order, name)
 
     def register_micro_step_grad(
         self, fn: MicroStepGradHook, *, name: str, order: int = 0
@@ -213,6 +223,7 @@ class HookRegistry:
             self.before_step,
             self.after_step,
             self.gather_dtype,
+            self.prepare_parameters,
         )
 
     def run_prepare_model(self, model: Any, ctx: Any) -> Any:
@@ -222,6 +233,14 @@ class HookRegistry:
             if out is not None:
                 model = out
         return model
+
+    def run_prepare_parameters(self, model_parameters: Any, model: Any, ctx: Any) -> Any:
+        """Apply the ``prepare_parameters`` transforms in order."""
+        for fn in self.prepare_parameters.frozen:
+            out = fn(model_parameters, model, ctx)
+            if out is not None:
+                model_parameters = out
+        return model_parameters
 
     def summary(self) -> dict[str, list[str]]:
         """Names registered per hook, in firing order (for logs and tests)."""

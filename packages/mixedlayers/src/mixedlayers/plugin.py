@@ -1,0 +1,165 @@
+"""The mixedlayers zerohooks plugin: fp32 modules inside a bf16/fp16 model, on every ZeRO stage.
+
+How each piece of DeepSpeed is kept from losing the fp32 modules:
+
+* the engine's cast of every parameter: undone at its ``module.to`` call (:mod:`mixedlayers.state`);
+* optimizers flattening each param group into one buffer (FP16_Optimizer, BF16_Optimizer,
+  ZeRO 1/2/3): every group is split into a 16-bit and an fp32 group (``prepare_parameters``);
+* the gradient collective in the 16-bit communication dtype: the fp32 parameters' gradients
+  are reduced in fp32 (``reduce_dtype``); they are accumulated, staged and partitioned in fp32
+  (:mod:`mixedlayers.zero12`, DeepSpeed's ``grad_accum_dtype`` on ZeRO 2/3);
+* ZeRO 3's single flat buffer of parameter partitions: :mod:`mixedlayers.zero3`;
+* fp16 loss scaling: the scaled loss flows through both kinds of modules, and DeepSpeed unscales
+  and checks for overflow over every group, fp32 ones included.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from typing_extensions import override
+
+import zerohooks
+from mixedlayers.casting import install_boundary_hooks
+from mixedlayers.config import (
+    MixedLayersConfig,
+    add_sharers,
+    check_deepspeed_config,
+    outermost,
+    select_modules,
+)
+from mixedlayers.state import MixedState, keep_fp32, shadow_module_to, split_param_groups
+from mixedlayers.zero3 import restore_zero3
+from mixedlayers.zero12 import fp32_accumulation_by_config, install_fp32_accumulation, install_fp32_staging
+from zerohooks import ConfigError, PluginConfig, SetupContext, ZeroPlugin
+from zerohooks.hookspec import PrepareModelHook, PrepareParametersHook, ReduceDtypeHook
+from zerohooks.initialize import setup_context
+from zerohooks.registry import HookRegistry
+
+__all__ = ["MixedLayersPlugin", "mixed_state"]
+
+FIRST = -1000
+"""Order of the ``prepare_model`` hook: select and keep the modules before other plugins wrap
+the model (their wrappers would change module names)."""
+LAST = 1000
+"""Order of the ``reduce_dtype`` hook: whatever other plugins chose, fp32 gradients are never
+reduced in a narrower dtype."""
+
+
+def mixed_state(engine: Any) -> MixedState | None:
+    """The :class:`MixedState` of an engine built with mixedlayers, else None."""
+    att = zerohooks.attachment(engine)
+    for plugin in att.plugins if att is not None else ():
+        if isinstance(plugin, MixedLayersPlugin):
+            return plugin.state
+    return None
+
+
+class MixedLayersPlugin(ZeroPlugin):
+    """Keep chosen modules of a 16-bit model in fp32, with casts at their boundaries."""
+
+    name = "mixedlayers"
+    distribution = "zerohooks-mixedlayers"
+    Config = MixedLayersConfig
+
+    def __init__(self, config: PluginConfig) -> None:
+        super().__init__(config)
+        self.state: MixedState | None = None
+        """Created in :meth:`attach`."""
+
+    @property
+    def cfg(self) -> MixedLayersConfig:
+        assert isinstance(self.config, MixedLayersConfig)
+        return self.config
+
+    @override
+    def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
+        ctx = setup_context(ds_config)
+        check_deepspeed_config(ctx)
+        if fp32_accumulation_by_config(ctx):
+            # DeepSpeed's own fp32 gradient accumulation (data_types.grad_accum_dtype): ZeRO 1-3
+            # otherwise accumulate and partition every gradient in one buffer of the model dtype,
+            # which would round the kept parameters' fp32 gradients.  The 16-bit parameters'
+            # gradients then accumulate in fp32 too (2 more bytes per parameter of the partition).
+            data_types = ds_config.setdefault("data_types", {})
+            data_types["grad_accum_dtype"] = "fp32"
+        elif isinstance(ds_config.get("data_types"), dict):
+            # fp32 (the only value check_deepspeed_config lets through) would make DeepSpeed build
+            # its BF16_Optimizer on bf16 ZeRO 1; engine_ready switches the same accumulation on
+            ds_config["data_types"].pop("grad_accum_dtype", None)
+
+    @override
+    def attach(self, registry: HookRegistry, ctx: SetupContext) -> None:
+        state = self.state = MixedState(self.cfg, ctx.train_dtype)
+        registry.register_prepare_model(_prepare_model(self.cfg, state), name=self.name, order=FIRST)
+        registry.register_prepare_parameters(_prepare_parameters(state), name=self.name, order=FIRST)
+        registry.register_reduce_dtype(_reduce_dtype(state), name=self.name, order=LAST)
+
+    @override
+    def engine_ready(self, engine: Any, registry: HookRegistry) -> None:
+        state = self.state
+        assert state is not None
+        stage = engine.zero_optimization_stage()
+        if stage == 3:
+            restore_zero3(engine.optimizer, state)
+        elif stage in (1, 2):
+            att = zerohooks.attachment(engine)
+            assert att is not None
+            if stage == 1 and not fp32_accumulation_by_config(att.setup):
+                install_fp32_accumulation(att, engine.optimizer)
+            install_fp32_staging(att, engine.optimizer)
+        if not state.modules:
+            raise RuntimeError(
+                "mixedlayers: the model was not prepared (pass model= to zerohooks.initialize)"
+            )
+        if state.saved:
+            raise RuntimeError(
+                "mixedlayers: DeepSpeed did not call module.to(device) after casting the model (was "
+                "dont_change_device=True passed?), so the fp32 modules could not be restored"
+            )
+        wrong = [p for p in state.params if p.dtype != torch.float32]
+        if wrong:
+            raise RuntimeError(
+                f"mixedlayers: {len(wrong)} kept parameters are not fp32 after DeepSpeed's init"
+            )
+
+    @override
+    def close(self) -> None:
+        if self.state is not None:
+            self.state.release()
+
+
+# -- hook factories ------------------------------------------------------------------------------
+def _prepare_model(cfg: MixedLayersConfig, state: MixedState) -> PrepareModelHook:
+    def prepare_model(model: nn.Module, ctx: SetupContext) -> nn.Module | None:
+        if any(hasattr(p, "ds_id") for p in model.parameters()):
+            raise ConfigError(
+                "mixedlayers does not support models built under deepspeed.zero.Init (their parameters are "
+                "already partitioned in the training dtype); build the model normally, ZeRO 3 partitions it"
+            )
+        selected = add_sharers(model, select_modules(model, cfg))
+        keep_fp32(state, model, selected, cfg.keep_buffers)
+        state.boundaries = outermost(selected)
+        install_boundary_hooks(state)
+        state.handles.append(shadow_module_to(state, model, params=ctx.zero_stage != 3))
+        return None
+
+    return prepare_model
+
+
+def _prepare_parameters(state: MixedState) -> PrepareParametersHook:
+    def prepare_parameters(model_parameters: Any, model: nn.Module, ctx: SetupContext) -> Any:
+        return split_param_groups(state, model_parameters)
+
+    return prepare_parameters
+
+
+def _reduce_dtype(state: MixedState) -> ReduceDtypeHook:
+    def reduce_dtype(param: nn.Parameter, dtype: torch.dtype) -> torch.dtype:
+        if state.is_fp32(param) and dtype.itemsize < 4:
+            return torch.float32
+        return dtype
+
+    return reduce_dtype
