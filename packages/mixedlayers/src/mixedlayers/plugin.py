@@ -31,10 +31,11 @@ from mixedlayers.config import (
     select_modules,
 )
 from mixedlayers.state import MixedState, keep_fp32, shadow_module_to, split_param_groups
+from mixedlayers.under_autocast import AUTOCAST_PLUGIN, install_autocast_off, record_kept
 from mixedlayers.zero3 import restore_zero3
 from mixedlayers.zero12 import fp32_accumulation_by_config, install_fp32_accumulation, install_fp32_staging
 from zerohooks import ConfigError, PluginConfig, SetupContext, ZeroPlugin
-from zerohooks.hookspec import PrepareModelHook, PrepareParametersHook, ReduceDtypeHook
+from zerohooks.hookspec import GatherDtypeHook, PrepareModelHook, PrepareParametersHook, ReduceDtypeHook
 from zerohooks.initialize import setup_context
 from zerohooks.registry import HookRegistry
 
@@ -68,6 +69,14 @@ class MixedLayersPlugin(ZeroPlugin):
         super().__init__(config)
         self.state: MixedState | None = None
         """Created in :meth:`attach`."""
+        self._autocast: list[Any] = []
+        """Autocast-off contexts of the kept modules running now (with autocastzero)."""
+
+    @property
+    def under_autocast(self) -> bool:
+        """autocastzero is enabled too: fp32 parameters everywhere, the kept modules compute
+        outside autocast (:mod:`mixedlayers.under_autocast`)."""
+        return AUTOCAST_PLUGIN in self.peers
 
     @property
     def cfg(self) -> MixedLayersConfig:
@@ -77,6 +86,8 @@ class MixedLayersPlugin(ZeroPlugin):
     @override
     def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
         ctx = setup_context(ds_config)
+        if self.under_autocast:
+            return  # autocastzero refuses DeepSpeed's bf16/fp16 sections; parameters stay fp32
         check_deepspeed_config(ctx)
         if fp32_accumulation_by_config(ctx):
             # DeepSpeed's own fp32 gradient accumulation (data_types.grad_accum_dtype): ZeRO 1-3
@@ -93,6 +104,14 @@ class MixedLayersPlugin(ZeroPlugin):
     @override
     def attach(self, registry: HookRegistry, ctx: SetupContext) -> None:
         state = self.state = MixedState(self.cfg, ctx.train_dtype)
+        if self.under_autocast:
+            registry.register_prepare_model(
+                _prepare_under_autocast(self.cfg, state, self._autocast), name=self.name, order=FIRST
+            )
+            registry.register_reduce_dtype(_reduce_dtype(state), name=self.name, order=LAST)
+            if ctx.zero_stage == 3:
+                registry.register_gather_dtype(_gather_dtype(state), name=self.name, order=LAST)
+            return
         registry.register_prepare_model(_prepare_model(self.cfg, state), name=self.name, order=FIRST)
         registry.register_prepare_parameters(_prepare_parameters(state), name=self.name, order=FIRST)
         registry.register_reduce_dtype(_reduce_dtype(state), name=self.name, order=LAST)
@@ -101,6 +120,8 @@ class MixedLayersPlugin(ZeroPlugin):
     def engine_ready(self, engine: Any, registry: HookRegistry) -> None:
         state = self.state
         assert state is not None
+        if self.under_autocast:
+            return
         stage = engine.zero_optimization_stage()
         if stage == 3:
             restore_zero3(engine.optimizer, state)
@@ -129,6 +150,7 @@ class MixedLayersPlugin(ZeroPlugin):
     def close(self) -> None:
         if self.state is not None:
             self.state.release()
+        self._autocast.clear()
 
 
 # -- hook factories ------------------------------------------------------------------------------
@@ -147,6 +169,26 @@ def _prepare_model(cfg: MixedLayersConfig, state: MixedState) -> PrepareModelHoo
         return None
 
     return prepare_model
+
+
+def _prepare_under_autocast(
+    cfg: MixedLayersConfig, state: MixedState, contexts: list[Any]
+) -> PrepareModelHook:
+    def prepare_model(model: nn.Module, ctx: SetupContext) -> nn.Module | None:
+        selected = add_sharers(model, select_modules(model, cfg))
+        record_kept(state, selected)
+        state.boundaries = outermost(selected)
+        install_autocast_off(state, contexts)
+        return None
+
+    return prepare_model
+
+
+def _gather_dtype(state: MixedState) -> GatherDtypeHook:
+    def gather_dtype(param: nn.Parameter, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32 if state.is_fp32(param) else dtype
+
+    return gather_dtype
 
 
 def _prepare_parameters(state: MixedState) -> PrepareParametersHook:

@@ -81,6 +81,8 @@ def initialize(*args: Any, plugins: Sequence[ZeroPlugin] = (), **kwargs: Any) ->
     if dupes:
         raise ConfigError(f"plugins {dupes} are enabled twice (config section and plugins= argument)")
     for p in enabled:
+        p.peers = tuple(n for n in names if n != p.name)
+    for p in enabled:
         p.edit_deepspeed_config(ds_config)
     ctx = setup_context(ds_config)
     registry = HookRegistry()

@@ -33,6 +33,10 @@ class ZeroPlugin:
     """The pip distribution that provides the plugin, named in error messages."""
     Config: ClassVar[type[PluginConfig]] = PluginConfig
     """Pydantic model of the config section."""
+    peers: tuple[str, ...] = ()
+    """Names of the other plugins enabled on the same engine, set by ``zerohooks.initialize``
+    before :meth:`edit_deepspeed_config` (for plugins whose behaviour depends on a sibling's
+    presence without importing it)."""
 
     def __init__(self, config: PluginConfig) -> None:
         self.config = config
