@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import functools
 import os
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 import zerohooks
 from nvmeswap import io, swapper
 from nvmeswap.config import NvmeSwapConfig, rewrite_offload
+from nvmeswap.swapfile import SwapCorruptionError
 from nvmeswap.swapper import SwapState
 from zerohooks import ConfigError, PluginConfig, SetupContext, StepContext, ZeroPlugin
 from zerohooks.registry import HookRegistry
@@ -139,7 +141,15 @@ class NvmeSwapPlugin(ZeroPlugin):
     def close(self) -> None:
         state, self.state = self.state, None
         if state is not None:
-            swapper.close(state, restore=True)
+            try:
+                swapper.close(state, restore=True)
+            except (SwapCorruptionError, io.SwapIOError) as e:
+                warnings.warn(
+                    f"nvmeswap: the optimizer state could not be brought back into RAM on detach ({e}); "
+                    "this engine cannot train further",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         if self._atexit is not None:
             atexit.unregister(self._atexit)
             self._atexit = None

@@ -37,7 +37,7 @@ _EMPTY = torch.empty(0, dtype=torch.float32)
 class SubGroup:
     """One swapped sub-group of one rank."""
 
-    __slots__ = ("checksum", "generation", "index", "keys", "master", "numel", "path", "slot")
+    __slots__ = ("checksum", "generation", "index", "keys", "master", "numel", "path", "slot", "writer")
 
     def __init__(self, index: int, numel: int, path: str, master: torch.Tensor) -> None:
         self.index = index
@@ -52,6 +52,8 @@ class SubGroup:
         self.generation = 0
         self.slot: Slot | None = None
         """The buffer holding it now (resident or being read), None when only on disk."""
+        self.writer: Any = None
+        """The I/O engine of its last write (waited for before the file is read again)."""
 
 
 class Slot:
@@ -184,6 +186,9 @@ def _read(state: SwapState, g: SubGroup) -> None:
     slot = _acquire(state, g)
     if g.checksum is None:
         return
+    if g.writer is not None and g.writer is not slot.engine:
+        g.writer.wait()  # engines do not order requests between them
+    g.writer = None
     nbytes = HEADER + len(_segments(state, g, g.keys)) * segment_bytes(g.numel)
     slot.engine.submit("r", slot.buffer[:nbytes], g.path, 0)
     state.bytes_read += nbytes
@@ -277,6 +282,7 @@ def swap_out(state: SwapState, index: int, write: bool = True) -> None:
             },
         )
         slot.engine.submit("w", slot.buffer[: HEADER + nbytes], g.path, 0)
+        g.writer = slot.engine
         state.bytes_written += HEADER + nbytes
     if not state.keep_master:
         g.master.data = _EMPTY
@@ -337,18 +343,24 @@ def end_step(state: SwapState) -> None:
 def close(state: SwapState, restore: bool) -> None:
     """Bring every sub-group back into RAM when ``restore`` (detaching leaves a working CPU-offload
     engine), then delete the swap files."""
-    flush(state)
-    if restore:
-        for i in state.order:
-            g = state.groups[i]
-            swap_in(state, i, prefetch=False)
-            if not state.keep_master:
-                g.master.data = g.master.data.clone()
-            for t in _state_tensors(state, g).values():
-                t.data = t.data.clone()
-            g.master.grad = torch.zeros(g.numel, dtype=torch.float32)
-            state.resident.discard(i)
-            slot = g.slot
-            assert slot is not None
-            slot.owner, slot.ready, g.slot = None, False, None
-    remove_folder(state.folder)
+    try:
+        flush(state)
+        if restore:
+            _restore(state)
+    finally:
+        remove_folder(state.folder)
+
+
+def _restore(state: SwapState) -> None:
+    for i in state.order:
+        g = state.groups[i]
+        swap_in(state, i, prefetch=False)
+        if not state.keep_master:
+            g.master.data = g.master.data.clone()
+        for t in _state_tensors(state, g).values():
+            t.data = t.data.clone()
+        g.master.grad = torch.zeros(g.numel, dtype=torch.float32)
+        state.resident.discard(i)
+        slot = g.slot
+        assert slot is not None
+        slot.owner, slot.ready, g.slot = None, False, None
