@@ -125,9 +125,22 @@ def _fio(path: str, rw: str, size: str) -> float | None:
     if shutil.which("fio") is None:
         return None
     out = subprocess.run(
-        ["fio", "--name=nvmeswap", f"--filename={path}", f"--size={size}", "--bs=1M", "--direct=1",
-         f"--rw={rw}", "--ioengine=libaio", "--iodepth=8", "--numjobs=1", "--output-format=json"],
-        capture_output=True, text=True, check=True,
+        [
+            "fio",
+            "--name=nvmeswap",
+            f"--filename={path}",
+            f"--size={size}",
+            "--bs=1M",
+            "--direct=1",
+            f"--rw={rw}",
+            "--ioengine=libaio",
+            "--iodepth=8",
+            "--numjobs=1",
+            "--output-format=json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     job = json.loads(out.stdout)["jobs"][0]
     return float(job["read" if rw == "read" else "write"]["bw_bytes"])
@@ -181,7 +194,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--sub-group", type=int, default=1_000_000)
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--folder", default=None, help="swap folder (default: a temporary folder under benchmarks/out)")
+    ap.add_argument(
+        "--folder", default=None, help="swap folder (default: a temporary folder under benchmarks/out)"
+    )
     ap.add_argument("--no-fio", action="store_true")
     args = ap.parse_args()
     OUT.mkdir(exist_ok=True)
@@ -196,8 +211,15 @@ def main() -> None:
     ranks = run_distributed(
         _rank_main,
         2,
-        args=(dict(layers=args.layers, hidden=args.hidden, rounds=args.rounds, folder=folder,
-                   sub_group=args.sub_group),),
+        args=(
+            dict(
+                layers=args.layers,
+                hidden=args.hidden,
+                rounds=args.rounds,
+                folder=folder,
+                sub_group=args.sub_group,
+            ),
+        ),
         timeout=3600,
     )
     summary: dict[str, Any] = {}
@@ -209,7 +231,9 @@ def main() -> None:
             "write_B_per_param": round(statistics.mean(x for r in ranks for x in r["results"][v]["w"]), 3),
         }
     for v in VARIANTS[1:]:
-        summary[v]["step_ratio_vs_deepspeed"] = round(summary[v]["step_ms"] / summary["deepspeed"]["step_ms"], 3)
+        summary[v]["step_ratio_vs_deepspeed"] = round(
+            summary[v]["step_ms"] / summary["deepspeed"]["step_ms"], 3
+        )
     fio: dict[str, Any] = {}
     if not args.no_fio:
         path = os.path.join(folder, "throughput.bin")
@@ -238,16 +262,24 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for v in VARIANTS:
         s = summary[v]
-        print(f"| {v} | {s['write_B_per_param']:.2f} | {s['read_B_per_param']:.2f} | {s['step_ms']} | "
-              f"{s.get('step_ratio_vs_deepspeed', 1.0)} |")
+        print(
+            f"| {v} | {s['write_B_per_param']:.2f} | {s['read_B_per_param']:.2f} | {s['step_ms']} | "
+            f"{s.get('step_ratio_vs_deepspeed', 1.0)} |"
+        )
     if fio:
-        print("\n| O_DIRECT 1 MiB sequential | nvmeswap engine (MB/s) | fio libaio iodepth 8 (MB/s) | ratio |")
+        print(
+            "\n| O_DIRECT 1 MiB sequential | nvmeswap engine (MB/s) | fio libaio iodepth 8 (MB/s) | ratio |"
+        )
         print("|---|---|---|---|")
         for k in ("write", "read"):
             theirs_k = fio.get("fio_B_per_s", {}).get(k)
-            print(f"| {k} | {fio['engine_B_per_s'][k] / 1e6:.0f} | "
-                  f"{'-' if theirs_k is None else f'{theirs_k / 1e6:.0f}'} | {fio.get('ratio', {}).get(k, '-')} |")
-    print(f"\n(wall time {payload['wall_s']} s; JSON in {OUT / 'nvmeswap.json'}, plot in {OUT / 'nvmeswap.png'})")
+            print(
+                f"| {k} | {fio['engine_B_per_s'][k] / 1e6:.0f} | "
+                f"{'-' if theirs_k is None else f'{theirs_k / 1e6:.0f}'} | {fio.get('ratio', {}).get(k, '-')} |"
+            )
+    print(
+        f"\n(wall time {payload['wall_s']} s; JSON in {OUT / 'nvmeswap.json'}, plot in {OUT / 'nvmeswap.png'})"
+    )
 
 
 if __name__ == "__main__":

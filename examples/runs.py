@@ -198,6 +198,8 @@ add_run(
     lambda cfg: cfg.update(communication_data_type="bf16"),
     help="DeepSpeed's reduction in bf16 (LoCo's baseline on fp32 CPUs)",
 )
+
+
 def _nvme(plugin: bool, **section: Any) -> ConfigEdit:
     """ZeRO 3 with the optimizer state on disk (a folder under the system temp dir)."""
 

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("nvmeswap")
 pytest.importorskip("accumdtype")
 
-from zerohooks.testing import run_distributed  # noqa: E402
+from zerohooks.testing import run_distributed
 
 
 def _config(folder: str, nvme: bool) -> dict[str, Any]:
@@ -56,9 +56,7 @@ def _run(tmp: str) -> dict[str, Any]:
             att = zerohooks.attachment(engine)
             state = next(p for p in att.plugins if p.name == "nvmeswap").state
             out["swapped"] = len(state.groups)
-            out["grad_dtypes"] = sorted(
-                {str(t.dtype) for d in [state.grad_partitions] for t in d.values()}
-            )
+            out["grad_dtypes"] = sorted({str(t.dtype) for d in [state.grad_partitions] for t in d.values()})
             zerohooks.detach(engine)
     out["masters_equal"] = all(
         torch.equal(a, b) for a, b in zip(out["cpu"][1], out["nvmeswap"][1], strict=True)

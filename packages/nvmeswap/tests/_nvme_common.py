@@ -18,10 +18,14 @@ SUB_GROUP = 300_000
 
 def make_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(600, 1000), torch.nn.LayerNorm(1000), torch.nn.Linear(1000, 600))
+    return torch.nn.Sequential(
+        torch.nn.Linear(600, 1000), torch.nn.LayerNorm(1000), torch.nn.Linear(1000, 600)
+    )
 
 
-def config(path: str, dtype: str = "bf16", nvmeswap: dict[str, Any] | None = None, gas: int = 2) -> dict[str, Any]:
+def config(
+    path: str, dtype: str = "bf16", nvmeswap: dict[str, Any] | None = None, gas: int = 2
+) -> dict[str, Any]:
     """DeepSpeed's NVMe optimizer offload (AdamW from torch), plus an nvmeswap section if given."""
     from zerohooks.testing.toy import ds_config
 
@@ -116,7 +120,8 @@ def _state(engine: Any) -> Any:
 
 
 def _io_bytes() -> tuple[int, int]:
-    vals = dict(line.split(":") for line in open("/proc/self/io").read().splitlines())
+    with open("/proc/self/io") as f:
+        vals = dict(line.split(":") for line in f.read().splitlines())
     return int(vals["read_bytes"]), int(vals["write_bytes"])
 
 
@@ -201,9 +206,8 @@ def scenario_corruption(tmp: str) -> dict[str, Any]:
 def scenario_checkpoint(tmp: str) -> dict[str, Any]:
     """Save after 2 steps, train 2 more; a fresh engine loads and trains the same 2 steps."""
     import torch
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
     import torch.distributed as dist
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     rank = int(os.environ["RANK"])
     ckpt = f"{tmp}/ckpt"
@@ -219,7 +223,9 @@ def scenario_checkpoint(tmp: str) -> dict[str, Any]:
     if rank == 0:
         sd = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="s2")
         names = [n for n, _ in eng.module.named_parameters()]
-        consolidated_equal = [torch.equal(sd[n].float(), m.view_as(sd[n])) for n, m in zip(names, saved_masters)]
+        consolidated_equal = [
+            torch.equal(sd[n].float(), m.view_as(sd[n])) for n, m in zip(names, saved_masters, strict=True)
+        ]
     dist.barrier()
     return {"uninterrupted": losses, "resumed": resumed, "consolidated_equal": consolidated_equal}
 

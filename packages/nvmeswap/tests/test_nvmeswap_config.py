@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pydantic
 import pytest
 
 from nvmeswap import NvmeSwapConfig, NvmeSwapPlugin
@@ -70,6 +71,6 @@ def test_folder_option_overrides_nvme_path() -> None:
 
 def test_config_is_frozen_and_documented() -> None:
     cfg = NvmeSwapConfig()
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
         cfg.buffer_count = 5  # type: ignore[misc]
     assert all(f.description for f in NvmeSwapConfig.model_fields.values())

@@ -30,7 +30,9 @@ def _initialize(folder: str, fsize_limit: int | None = None) -> str:
         resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit, fsize_limit))
     model = make_model()
     try:
-        zerohooks.initialize(model=model, model_parameters=model.parameters(), config=config(folder, nvmeswap={}))
+        zerohooks.initialize(
+            model=model, model_parameters=model.parameters(), config=config(folder, nvmeswap={})
+        )
     except OSError as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
@@ -67,7 +69,13 @@ def test_disk_full_fails_at_start_on_a_small_tmpfs(tmp_path, native_engine: bool
         )
     )
     proc = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=3m nvmeswap-test {mnt} && exec {sys.executable} {script}"],
+        [
+            "unshare",
+            "-rm",
+            "sh",
+            "-c",
+            f"mount -t tmpfs -o size=3m nvmeswap-test {mnt} && exec {sys.executable} {script}",
+        ],
         capture_output=True,
         text=True,
         timeout=900,

@@ -20,7 +20,11 @@ def _engine(kind: str, native_engine: bool) -> object:
 
 def _random(nbytes: int, seed: int) -> torch.Tensor:
     buf = io.aligned_empty(nbytes)
-    buf.copy_(torch.randint(0, 256, (buf.numel(),), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
+    buf.copy_(
+        torch.randint(
+            0, 256, (buf.numel(),), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+        )
+    )
     return buf
 
 
@@ -81,7 +85,7 @@ def test_failed_write_names_file_and_offset(kind: str, native_engine: bool) -> N
 @pytest.mark.parametrize("kind", ENGINES)
 def test_missing_file_is_a_clear_error(tmp_path, kind: str, native_engine: bool) -> None:
     eng = _engine(kind, native_engine)
-    with pytest.raises(io.SwapIOError, match="cannot open .*nothere.* for reading"):
+    with pytest.raises(io.SwapIOError, match=r"cannot open .*nothere.* for reading"):
         eng.submit("r", io.aligned_empty(4096), str(tmp_path / "nothere"), 0)  # type: ignore[attr-defined]
 
 

@@ -47,7 +47,9 @@ def test_no_gradient_io(two_ranks: list[dict[str, Any]], mode: str, segments: in
 
 
 @pytest.mark.parametrize(("mode", "segments"), [("default", 3), ("ram", 2)])
-def test_swap_files_preallocated_and_removed(two_ranks: list[dict[str, Any]], mode: str, segments: int) -> None:
+def test_swap_files_preallocated_and_removed(
+    two_ranks: list[dict[str, Any]], mode: str, segments: int
+) -> None:
     for rank, r in enumerate(two_ranks):
         t = r["training"]
         files = t[f"{mode}_files_at_start"]

@@ -54,9 +54,7 @@ def rewrite_offload(ds_config: dict[str, Any], cfg: NvmeSwapConfig) -> str:
     zero = ds_config.get("zero_optimization")
     if not isinstance(zero, dict) or int(zero.get("stage", 0)) != 3:
         got = zero.get("stage", 0) if isinstance(zero, dict) else None
-        raise ConfigError(
-            f'"nvmeswap" needs ZeRO stage 3 (zero_optimization.stage = 3); got stage {got}'
-        )
+        raise ConfigError(f'"nvmeswap" needs ZeRO stage 3 (zero_optimization.stage = 3); got stage {got}')
     off = zero.get("offload_optimizer")
     device = off.get("device") if isinstance(off, dict) else None
     if device != "nvme":

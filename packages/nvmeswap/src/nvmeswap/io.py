@@ -136,7 +136,7 @@ def checksum(buffer: torch.Tensor, algorithm: int) -> int:
         return int(mod.checksum(buffer))
     if algorithm == 2:
         data = buffer.contiguous().view(torch.uint8).numpy()
-        return int.from_bytes(hashlib.blake2b(memoryview(data), digest_size=8).digest(), "little")
+        return int.from_bytes(hashlib.blake2b(data.data, digest_size=8).digest(), "little")
     raise SwapIOError(f"unknown swap-file checksum algorithm {algorithm} (known: 1 C++ hash, 2 BLAKE2b)")
 
 
@@ -155,7 +155,7 @@ class PyEngine:
             raise ValueError(f"kind must be 'r' or 'w', not {kind!r}")
         if not buffer.is_contiguous() or buffer.device.type != "cpu":
             raise ValueError("the buffer must be a contiguous CPU tensor")
-        view = memoryview(buffer.view(torch.uint8).numpy())
+        view = buffer.view(torch.uint8).numpy().data
         nbytes = len(view)
         aligned = buffer.data_ptr() % ALIGN == 0 and nbytes % ALIGN == 0 and offset % ALIGN == 0
         flags = os.O_RDONLY if kind == "r" else os.O_WRONLY | os.O_CREAT

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 import zerohooks
 from nvmeswap import io, swapper
@@ -30,11 +31,6 @@ from nvmeswap.swapfile import SwapCorruptionError
 from nvmeswap.swapper import SwapState
 from zerohooks import ConfigError, PluginConfig, SetupContext, StepContext, ZeroPlugin
 from zerohooks.registry import HookRegistry
-
-try:
-    from typing import override
-except ImportError:  # Python < 3.12
-    from typing_extensions import override
 
 __all__ = ["NvmeSwapPlugin"]
 

@@ -117,7 +117,9 @@ class SwapState:
         numels = optimizer.fp16_partitioned_groups_flat_numel
         self.groups: dict[int, SubGroup] = {
             i: SubGroup(
-                i, int(numels[i]), os.path.join(folder, f"subgroup{i:05d}.swp"),
+                i,
+                int(numels[i]),
+                os.path.join(folder, f"subgroup{i:05d}.swp"),
                 optimizer.fp32_partitioned_groups_flat[i],
             )
             for i in sub_groups
@@ -135,7 +137,9 @@ class SwapState:
         """sub-group -> {offset: 16-bit gradient partition} recorded at the accumulation boundary."""
         self.overrides: dict[int, torch.Tensor] = {}
         """sub-group -> fp32 gradient written through DeepSpeed's set-gradient APIs."""
-        self.grad_partitions: dict[int, torch.Tensor] = optimizer._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+        self.grad_partitions: dict[int, torch.Tensor] = (
+            optimizer._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+        )
         self.grad_positions = optimizer.grad_position
         self.resident: set[int] = set()
         self.bytes_read = 0
