@@ -230,9 +230,32 @@ def scenario_checkpoint(tmp: str) -> dict[str, Any]:
     return {"uninterrupted": losses, "resumed": resumed, "consolidated_equal": consolidated_equal}
 
 
+def scenario_variants(tmp: str) -> dict[str, Any]:
+    """fp16 with dynamic loss scaling (skipped steps) and gradient clipping; the Python I/O engine."""
+    rank = int(os.environ["RANK"])
+    out: dict[str, Any] = {}
+    cases: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+        "fp16_clip": ({"dtype": "fp16"}, {"gradient_clipping": 0.05}),
+        "python_engine": ({}, {}),
+    }
+    for name, (kw, extra) in cases.items():
+        section = {"io_engine": "python"} if name == "python_engine" else {}
+        ref_cfg = _oracle_config(f"{tmp}/{name}_oracle{rank}", **kw)
+        cfg = config(f"{tmp}/{name}{rank}", nvmeswap=section, **kw)
+        ref_cfg.update(extra)
+        cfg.update(extra)
+        ref = _build(ref_cfg, plugins=False)
+        eng = _build(cfg)
+        out[name] = {"oracle": train(ref, 4), "nvmeswap": train(eng, 4)}
+        out[name]["skipped"] = (ref.skipped_steps, eng.skipped_steps)
+        out[name]["algorithm"] = _state(eng).algorithm
+    return out
+
+
 def all_two_rank_scenarios(tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, fn in (
+        ("variants", scenario_variants),
         ("training", scenario_training),
         ("set_grad", scenario_set_grad),
         ("corruption", scenario_corruption),

@@ -22,4 +22,5 @@ def native_engine() -> bool:
 def two_ranks(tmp_path_factory: pytest.TempPathFactory, native_engine: bool) -> list[dict[str, Any]]:
     """Every rank's results of every 2-rank scenario (run once per test session)."""
     tmp = str(tmp_path_factory.mktemp("nvmeswap"))
-    return run_distributed(all_two_rank_scenarios, 2, args=(tmp,), timeout=1200)
+    # fp16_on_cpu: DeepSpeed's CPU accelerator accepts fp16 (changes nothing for bf16)
+    return run_distributed(all_two_rank_scenarios, 2, args=(tmp,), timeout=1200, fp16_on_cpu=True)

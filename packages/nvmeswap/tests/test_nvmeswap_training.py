@@ -91,3 +91,18 @@ def test_checkpoint_consolidates_to_fp32(two_ranks: list[dict[str, Any]]) -> Non
     """DeepSpeed's zero_to_fp32 reads nvmeswap checkpoints: the fp32 masters at the save."""
     eq = two_ranks[0]["checkpoint"]["consolidated_equal"]
     assert eq and all(eq)
+
+
+def test_fp16_loss_scaling_and_clipping(two_ranks: list[dict[str, Any]]) -> None:
+    """fp16: the loss scale and clipping factor apply to gradients built from 16-bit partitions,
+    and overflow-skipped steps (no sub-group swapped) leave nothing behind."""
+    for r in two_ranks:
+        v = r["variants"]["fp16_clip"]
+        assert v["nvmeswap"] == v["oracle"]
+        assert v["skipped"][0] == v["skipped"][1]
+
+
+def test_python_engine_trains_identically(two_ranks: list[dict[str, Any]]) -> None:
+    for r in two_ranks:
+        v = r["variants"]["python_engine"]
+        assert v["nvmeswap"] == v["oracle"] and v["algorithm"] == 2  # BLAKE2b checksums
