@@ -42,7 +42,10 @@ def test_no_gradient_io(two_ranks: list[dict[str, Any]], mode: str, segments: in
         assert max(numels) <= SUB_GROUP * 1.01 and len(numels) >= 2
         expected = _expected_step_bytes(numels, segments)
         assert t[f"{mode}_step_bytes"] == (expected, expected)
-        assert t[f"{mode}_proc_io"] == (expected, expected)
+        # the kernel's count: the same, give or take a few pages the process wrote elsewhere (a
+        # gradient swap would add 4 bytes per parameter, 1.2 MB here)
+        for got in t[f"{mode}_proc_io"]:
+            assert expected <= got <= expected + 65536, (got, expected)
         assert expected / sum(numels) < per_param * 1.01  # headers and 4 KiB alignment only
 
 
