@@ -167,14 +167,22 @@ def scenario_training(tmp: str) -> dict[str, Any]:
 
 def scenario_set_grad(tmp: str) -> dict[str, Any]:
     """Gradients written back through DeepSpeed's set-gradient API reach the optimizer step."""
+    from deepspeed.utils import safe_get_full_grad
+
     rank = int(os.environ["RANK"])
     ref = _build(_oracle_config(f"{tmp}/sg_oracle{rank}"), plugins=False)
     eng = _build(config(f"{tmp}/sg{rank}", nvmeswap={}))
     plain = _build(config(f"{tmp}/sg_plain{rank}", nvmeswap={}))
+    reader = _build(config(f"{tmp}/sg_read{rank}", nvmeswap={}))
+    read_after_step = []
+    for s in range(3):  # gradients read between steps must not leak into the next step
+        read_after_step += train(reader, 1, first=s)
+        safe_get_full_grad(next(reader.module.parameters()))
     return {
         "oracle": train(ref, 3, before_step=_halve_first_grad),
         "nvmeswap": train(eng, 3, before_step=_halve_first_grad),
         "without_set": train(plain, 3),
+        "read_after_step": read_after_step,
     }
 
 

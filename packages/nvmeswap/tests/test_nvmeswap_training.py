@@ -74,6 +74,7 @@ def test_set_gradient_api_reaches_the_step(two_ranks: list[dict[str, Any]]) -> N
         s = r["set_grad"]
         assert s["nvmeswap"] == s["oracle"]
         assert s["nvmeswap"] != s["without_set"]  # the halved gradient did change training
+        assert s["read_after_step"] == s["without_set"]
 
 
 def test_flipped_byte_is_caught(two_ranks: list[dict[str, Any]]) -> None:

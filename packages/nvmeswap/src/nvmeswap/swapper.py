@@ -318,6 +318,10 @@ def initialise(state: SwapState) -> None:
 # -- gradients ------------------------------------------------------------------------------------
 def record_gradient(state: SwapState, index: int, offset: int, grad16: torch.Tensor) -> None:
     """At the boundary: remember where sub-group ``index``'s gradient lies (no copy, no I/O)."""
+    if not state.pending_grads:
+        # the first gradient of a new window: gradients read through DeepSpeed's APIs since the
+        # last step (zeros then) are stale
+        state.overrides.clear()
     state.pending_grads.setdefault(index, {})[offset] = grad16
 
 

@@ -50,7 +50,8 @@ class TinyNet(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.emb(tokens).mean(dim=1)
-        return self.fc2(nn.functional.gelu(self.norm(self.fc1(h))))
+        out: torch.Tensor = self.fc2(nn.functional.gelu(self.norm(self.fc1(h))))
+        return out
 
 
 def make_model(seed: int = 0, **kwargs: Any) -> TinyNet:
