@@ -138,3 +138,24 @@ def test_killed_rank_then_resume(tmp_path, two_ranks: list[dict[str, Any]]) -> N
         assert r["losses"] == ref["checkpoint"]["uninterrupted"][4:]  # nothing lost
         assert r["left"] == []
     assert resumed[1]["stale"], "the killed rank should have left its swap files behind"
+
+
+def _train_and_exit(folder: str) -> list[str]:
+    """Train and return without detaching: the swap files exist while the rank runs."""
+    import zerohooks
+
+    rank = int(os.environ["RANK"])
+    model = make_model()
+    engine, *_ = zerohooks.initialize(
+        model=model, model_parameters=model.parameters(), config=config(f"{folder}{rank}", nvmeswap={})
+    )
+    train(engine, 1)
+    return swap_files(f"{folder}{rank}")
+
+
+def test_clean_exit_removes_swap_files(tmp_path) -> None:
+    folder = str(tmp_path / "exit")
+    during = run_distributed(_train_and_exit, 2, args=(folder,), timeout=600)
+    assert all(during)  # the files existed while training
+    for rank in range(2):
+        assert swap_files(f"{folder}{rank}") == []  # gone once the rank's interpreter exited
