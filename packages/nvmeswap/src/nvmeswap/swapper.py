@@ -198,6 +198,10 @@ def _read(state: SwapState, g: SubGroup) -> None:
     state.bytes_read += nbytes
 
 
+def _hex(value: object) -> str:
+    return f"{value:#018x}" if isinstance(value, int) else repr(value)
+
+
 def _finish_read(state: SwapState, g: SubGroup) -> Slot:
     slot = g.slot
     assert slot is not None
@@ -212,7 +216,7 @@ def _finish_read(state: SwapState, g: SubGroup) -> Slot:
         if got != meta.get("checksum") or got != g.checksum or meta.get("generation") != g.generation:
             raise SwapCorruptionError(
                 f"swap file {g.path!r} (sub-group {g.index}) is corrupted: checksum {got:#018x} of its "
-                f"{nbytes} payload bytes, header says {meta.get('checksum')!r}, last written "
+                f"{nbytes} payload bytes, header says {_hex(meta.get('checksum'))}, last written "
                 f"{g.checksum:#018x} (generation {meta.get('generation')} vs {g.generation}). "
                 "Training stops rather than use it; resume from the last checkpoint."
             )
