@@ -220,6 +220,43 @@ add_run(
     help="LayerNorms and the head in fp32 inside the bf16 (or --dtype fp16) model",
 )
 add_run("bf16", _uniform16, help="the whole model in bf16 (or --dtype fp16): mixedlayers' baseline")
+
+
+def _nvme(plugin: bool, **section: Any) -> ConfigEdit:
+    """ZeRO 3 with the optimizer state on disk (a folder under the system temp dir)."""
+
+    def edit(cfg: dict[str, Any]) -> None:
+        import os
+        import tempfile
+
+        zero = cfg.setdefault("zero_optimization", {})
+        zero["stage"] = 3
+        folder = os.path.join(tempfile.gettempdir(), f"zerohooks-demo-nvme-{os.getuid()}")
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": folder, "pin_memory": False}
+        cfg["zero_force_ds_cpu_optimizer"] = False  # keep torch AdamW
+        if plugin:
+            cfg["nvmeswap"] = dict(section)
+
+    return edit
+
+
+add_run(
+    "nvmeswap",
+    _nvme(True),
+    plugins=("nvmeswap",),
+    help="ZeRO 3, optimizer state on disk through nvmeswap (12 B/param/step, no gradient I/O, no libaio)",
+)
+add_run(
+    "nvmeswap-ram",
+    _nvme(True, keep_master_in_ram=True),
+    plugins=("nvmeswap",),
+    help="nvmeswap keeping fp32 masters in RAM: only the Adam moments on disk (8 B/param/step)",
+)
+add_run(
+    "ds-nvme",
+    _nvme(False),
+    help="DeepSpeed's own NVMe optimizer offload (libaio; 16 B/param/step), nvmeswap's baseline",
+)
 add_run(
     "loco-2level",
     {"loco": {"hierarchy": "two_level", "node_size": 2}},

@@ -1,0 +1,86 @@
+"""The ``"nvmeswap"`` config section and the checks of DeepSpeed's part of the config."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import pydantic
+
+from zerohooks import ConfigError, PluginConfig
+
+__all__ = ["NvmeSwapConfig", "rewrite_offload"]
+
+
+class NvmeSwapConfig(PluginConfig):
+    """``"nvmeswap": {...}``, next to ``zero_optimization.offload_optimizer: {"device": "nvme"}``."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    keep_master_in_ram: bool = False
+    """Keep the fp32 master parameters in RAM and swap only the optimizer moments (8 bytes per
+    parameter written and read per step instead of 12); costs 4 bytes of RAM per parameter."""
+    folder: str | None = None
+    """Folder of the swap files; default: ``offload_optimizer.nvme_path``.  Each rank uses
+    ``<folder>/nvmeswap/rank<R>/``."""
+    buffer_count: int = pydantic.Field(3, ge=2, le=64)
+    """Sub-group buffers in RAM: one being stepped, one being read ahead, the rest being written."""
+    io_threads: int = pydantic.Field(2, ge=1, le=64)
+    """I/O threads per buffer (requests in flight per buffer)."""
+    block_size: int = pydantic.Field(1 << 20, ge=4096, multiple_of=4096)
+    """Bytes per I/O request; a sub-group's file is read and written in pieces of this size."""
+    min_swap_numel: int = pydantic.Field(0, ge=0)
+    """Sub-groups with fewer elements stay in RAM (DeepSpeed's own swapper keeps those under 1 MiB)."""
+    io_engine: Literal["auto", "native", "python"] = "auto"
+    """``auto``: the C++ engine, or the pure-Python one (with a warning) if it cannot be built;
+    ``native``: the C++ engine or an error; ``python``: the pure-Python engine."""
+    fused_adam: bool = False
+    """Reserved for the fused Adam step reading 16-bit gradients; must stay false (not implemented)."""
+
+    @pydantic.field_validator("fused_adam")
+    @classmethod
+    def _no_fused(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("the fused Adam step is not implemented in this version; remove fused_adam")
+        return v
+
+
+def rewrite_offload(ds_config: dict[str, Any], cfg: NvmeSwapConfig) -> str:
+    """Check DeepSpeed's config and turn its NVMe optimizer offload into CPU offload (in place).
+
+    nvmeswap owns the swapping: DeepSpeed must not build its own (libaio-based) swapper, so it
+    is told to offload to the CPU, and nvmeswap moves the CPU-resident state to disk around each
+    sub-group's step.  Returns the swap folder.
+    """
+    zero = ds_config.get("zero_optimization")
+    if not isinstance(zero, dict) or int(zero.get("stage", 0)) != 3:
+        got = zero.get("stage", 0) if isinstance(zero, dict) else None
+        raise ConfigError(f'"nvmeswap" needs ZeRO stage 3 (zero_optimization.stage = 3); got stage {got}')
+    off = zero.get("offload_optimizer")
+    device = off.get("device") if isinstance(off, dict) else None
+    if device != "nvme":
+        raise ConfigError(
+            '"nvmeswap" needs zero_optimization.offload_optimizer.device = "nvme" (with nvme_path); '
+            f"got {device!r}"
+        )
+    assert isinstance(off, dict)
+    param_off = zero.get("offload_param")
+    if isinstance(param_off, dict) and param_off.get("device") == "nvme":
+        raise ConfigError(
+            '"nvmeswap" swaps optimizer state only: zero_optimization.offload_param.device "nvme" would '
+            'bring back DeepSpeed\'s libaio swapper; use "cpu" or "none" for offload_param'
+        )
+    folder = cfg.folder or off.get("nvme_path")
+    if not folder:
+        raise ConfigError(
+            '"nvmeswap" needs a folder for its swap files: set zero_optimization.offload_optimizer.nvme_path '
+            'or "nvmeswap": {"folder": ...}'
+        )
+    if float(off.get("ratio", 1.0)) != 1.0:
+        raise ConfigError(
+            f"offload_optimizer.ratio={off.get('ratio')} (partial offload) is not supported with nvmeswap; "
+            "remove it (default 1.0)"
+        )
+    new = {k: v for k, v in off.items() if k not in ("pipeline_read", "pipeline_write", "buffer_count")}
+    new["device"] = "cpu"
+    zero["offload_optimizer"] = new
+    return str(folder)

@@ -1,0 +1,293 @@
+"""The nvmeswap zerohooks plugin: wires :mod:`nvmeswap.swapper` into DeepSpeed's ZeRO-3 step.
+
+Design: DeepSpeed's own NVMe path builds its libaio-based swapper when the engine is built, so
+replacing only its I/O calls would still need libaio.  nvmeswap instead tells DeepSpeed to offload
+the optimizer to the CPU (``config.rewrite_offload``) and takes the swapping over: right after
+the engine is built every swapped sub-group's fp32 master goes to its swap file and its RAM is
+freed; in each step the patched ``_prepare_sub_group`` reads the sub-group back (read ahead of
+time) and builds its fp32 gradient from the 16-bit partition, and ``_release_sub_group`` writes it
+out.  The gradient itself is never written: at the boundary the patched
+``_offload_grad_partition_at_boundary`` only records the gradient norm (as DeepSpeed does) and
+where the 16-bit partition lies.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from typing_extensions import override
+
+import zerohooks
+from nvmeswap import io, swapper
+from nvmeswap.config import NvmeSwapConfig, rewrite_offload
+from nvmeswap.swapfile import SwapCorruptionError
+from nvmeswap.swapper import SwapState
+from zerohooks import ConfigError, PluginConfig, SetupContext, StepContext, ZeroPlugin
+from zerohooks.registry import HookRegistry
+
+__all__ = ["NvmeSwapPlugin"]
+
+_OPT = "DeepSpeedZeroOptimizer_Stage3"
+_NEEDED = (
+    "fp32_partitioned_groups_flat",
+    "fp16_partitioned_groups_flat_numel",
+    "grad_position",
+    "norm_for_param_grads",
+    "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition",
+    "_offload_grad_partition_at_boundary",
+    "_prepare_sub_group",
+    "_release_sub_group",
+    "_get_fp32_grad_state_partition",
+    "_get_fp32_opt_state_partition",
+    "_constant_buffered_norm2",
+)
+_SETTERS = ("set_fp32_grad_for_param", "set_local_grad_for_param")
+_PARAM_SETTERS = ("set_full_hp_param", "set_local_hp_param")
+
+
+class NvmeSwapPlugin(ZeroPlugin):
+    """ZeRO-3 optimizer state on NVMe without gradient I/O, on nvmeswap's own I/O engine."""
+
+    name = "nvmeswap"
+    distribution = "zerohooks-nvmeswap"
+    Config = NvmeSwapConfig
+
+    def __init__(self, config: PluginConfig | None = None) -> None:
+        super().__init__(config or NvmeSwapConfig())
+        self.base_folder: str | None = None
+        self.state: SwapState | None = None
+        self._atexit: Callable[[], None] | None = None
+
+    @property
+    def cfg(self) -> NvmeSwapConfig:
+        assert isinstance(self.config, NvmeSwapConfig)
+        return self.config
+
+    @override
+    def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
+        self.base_folder = rewrite_offload(ds_config, self.cfg)
+
+    @override
+    def attach(self, registry: HookRegistry, ctx: SetupContext) -> None:
+        if self.base_folder is None:
+            raise RuntimeError("nvmeswap: attach() before edit_deepspeed_config() (use zerohooks.initialize)")
+        registry.register_after_step(self._after_step, name=self.name)
+
+    def _after_step(self, ctx: StepContext, skipped: bool) -> None:
+        if self.state is not None:
+            swapper.end_step(self.state)
+
+    @override
+    def engine_ready(self, engine: Any, registry: HookRegistry) -> None:
+        att = zerohooks.attachment(engine)
+        assert att is not None and self.base_folder is not None
+        opt = engine.optimizer
+        missing = [n for n in _NEEDED if not hasattr(opt, n)]
+        if missing:
+            raise ConfigError(
+                f"nvmeswap: the ZeRO-3 optimizer ({type(opt).__name__}) lacks {missing}; this DeepSpeed "
+                "version is not supported (tested with 0.19.8)"
+            )
+        cfg = self.cfg
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        folder = os.path.join(self.base_folder, "nvmeswap", f"rank{rank:05d}")
+        numels = opt.fp16_partitioned_groups_flat_numel
+        chosen = [i for i in range(len(numels)) if int(numels[i]) >= max(cfg.min_swap_numel, 1)]
+        native = cfg.io_engine != "python"
+        if native:
+            mod = io.load_native_distributed()
+            if mod is None and cfg.io_engine == "native":
+                raise ConfigError(
+                    f'nvmeswap.io_engine is "native" but the C++ I/O engine could not be built: {io.build_error()}'
+                )
+            native = mod is not None
+
+        def make_engine() -> Any:
+            return io.engine(cfg.io_threads, cfg.block_size, native=native)
+
+        state = self.state = SwapState(
+            opt,
+            folder,
+            chosen,
+            keep_master=cfg.keep_master_in_ram,
+            buffer_count=cfg.buffer_count,
+            make_engine=make_engine,
+            algorithm=1 if native else 2,
+        )
+        _install(att, opt, state)
+        swapper.initialise(state)
+        ref = weakref.ref(self)
+
+        def cleanup() -> None:  # a clean interpreter exit removes the swap files
+            plugin = ref()
+            if plugin is not None and plugin.state is not None:
+                swapper.remove_folder(plugin.state.folder)
+
+        self._atexit = cleanup
+        atexit.register(cleanup)
+
+    @override
+    def close(self) -> None:
+        state, self.state = self.state, None
+        if state is not None:
+            try:
+                swapper.close(state, restore=True)
+            except (SwapCorruptionError, io.SwapIOError) as e:
+                warnings.warn(
+                    f"nvmeswap: the optimizer state could not be brought back into RAM on detach ({e}); "
+                    "this engine cannot train further",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        if self._atexit is not None:
+            atexit.unregister(self._atexit)
+            self._atexit = None
+
+
+def _install(att: Any, opt: Any, state: SwapState) -> None:
+    """Per-instance patches of the ZeRO-3 optimizer (undone by ``zerohooks.detach``)."""
+    groups = state.groups
+
+    def make_boundary(original: Callable[..., Any]) -> Callable[..., Any]:
+        def at_boundary(param: Any, grad_buffer: torch.Tensor, fp32_grads: Any, fp32_offsets: Any) -> Any:
+            pid = opt.get_param_id(param)
+            i, offset, _ = opt.grad_position[pid]
+            if i not in groups:
+                return original(param, grad_buffer, fp32_grads, fp32_offsets)
+            opt.norm_for_param_grads[pid] = opt._constant_buffered_norm2(grad_buffer)
+            swapper.record_gradient(state, i, offset, grad_buffer)
+            return None
+
+        return at_boundary
+
+    def make_prepare(original: Callable[..., Any]) -> Callable[..., Any]:
+        def prepare(sub_group_id: int, timer_names: Any) -> Any:
+            if sub_group_id not in groups:
+                return original(sub_group_id, timer_names)
+            swapper.swap_in(state, sub_group_id)
+            groups[sub_group_id].master.grad = swapper.build_gradient(state, sub_group_id)
+            return None
+
+        return prepare
+
+    def make_release(original: Callable[..., Any]) -> Callable[..., Any]:
+        def release(sub_group_id: int, timer_names: Any) -> Any:
+            if sub_group_id not in groups:
+                return original(sub_group_id, timer_names)
+            groups[sub_group_id].master.grad = None
+            swapper.swap_out(state, sub_group_id)
+            return None
+
+        return release
+
+    # DeepSpeed's get/set APIs (safe_get_full_fp32_param, safe_set_full_grad, ...) read the
+    # sub-group's tensors directly under CPU offload: bring them in first, write them back after.
+    def make_get_grad(original: Callable[..., Any]) -> Callable[..., Any]:
+        def get_grad(param: Any, release_swap_buffers: bool) -> Any:
+            i = opt.grad_position[opt.get_param_id(param)][0]
+            if i not in groups:
+                return original(param, release_swap_buffers)
+            if i not in state.overrides:  # the first access: the gradient as the step would see it
+                state.overrides[i] = swapper.build_gradient(state, i).clone()
+            _, offset, numel = opt.grad_position[opt.get_param_id(param)]
+            return state.overrides[i].narrow(0, offset, numel), i
+
+        return get_grad
+
+    def make_get_state(original: Callable[..., Any]) -> Callable[..., Any]:
+        def get_state(param: Any, release_swap_buffers: bool, optim_state_key: Any = None) -> Any:
+            i = opt.grad_position[opt.get_param_id(param)][0]
+            if i not in groups or i in state.resident:
+                return original(param, release_swap_buffers, optim_state_key)
+            swapper.swap_in(state, i, prefetch=False)
+            try:
+                out, gi = original(param, release_swap_buffers, optim_state_key)
+                return out.clone(), gi
+            finally:
+                swapper.swap_out(state, i, write=False)
+
+        return get_state
+
+    def make_param_setter(original: Callable[..., Any]) -> Callable[..., Any]:
+        def setter(value: Any, param: Any, optim_state_key: Any = None) -> Any:
+            i = opt.grad_position[opt.get_param_id(param)][0]
+            if i not in groups:
+                return original(value, param, optim_state_key)
+            swapper.swap_in(state, i, prefetch=False)
+            try:
+                return original(value, param, optim_state_key)
+            finally:
+                swapper.swap_out(state, i)
+
+        return setter
+
+    att.patch(opt, "_offload_grad_partition_at_boundary", make_boundary, _OPT)
+    att.patch(opt, "_prepare_sub_group", make_prepare, _OPT)
+    att.patch(opt, "_release_sub_group", make_release, _OPT)
+    att.patch(opt, "_get_fp32_grad_state_partition", make_get_grad, _OPT)
+    att.patch(opt, "_get_fp32_opt_state_partition", make_get_state, _OPT)
+    for name in _PARAM_SETTERS:
+        att.patch(opt, name, make_param_setter, _OPT)
+    _install_checkpoint(att, opt, state)
+
+
+def _install_checkpoint(att: Any, opt: Any, state: SwapState) -> None:
+    """DeepSpeed saves and loads the optimizer as CPU offload: everything resident meanwhile."""
+    engine = att.engine
+
+    def all_in() -> None:
+        for i in state.order:
+            swapper.swap_in(state, i, prefetch=False)
+
+    def all_out() -> None:
+        for i in state.order:
+            swapper.swap_out(state, i)
+        swapper.flush(state)
+
+    def make_save(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def save(*args: Any, **kwargs: Any) -> Any:
+            _ensure_slots(state)
+            all_in()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                all_out()
+                _trim_slots(state)
+
+        return save
+
+    def make_load(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def load(*args: Any, **kwargs: Any) -> Any:
+            _ensure_slots(state)
+            all_in()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                all_out()
+                _trim_slots(state)
+
+        return load
+
+    att.patch(engine, "_save_zero_checkpoint", make_save, "DeepSpeedEngine")
+    att.patch(engine, "_load_zero_checkpoint", make_load, "DeepSpeedEngine")
+
+
+def _ensure_slots(state: SwapState) -> None:
+    """Checkpointing makes every sub-group resident at once: enough buffers for that."""
+    while len(state.slots) < len(state.order):
+        state.slots.append(swapper.Slot(state.capacity, state.make_engine()))
+
+
+def _trim_slots(state: SwapState) -> None:
+    """Back to ``buffer_count`` buffers once a checkpoint is saved or loaded."""
+    swapper.flush(state)
+    del state.slots[state.buffer_count :]

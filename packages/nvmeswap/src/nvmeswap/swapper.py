@@ -1,0 +1,378 @@
+"""The swapper: moves each sub-group's fp32 master partition and optimizer moments between RAM
+buffers and its swap file around the sub-group's optimizer step, and builds its fp32 gradient
+from the 16-bit gradient partition DeepSpeed keeps in memory (no gradient ever touches disk).
+
+DeepSpeed runs as plain CPU offload (``config.rewrite_offload``); the plugin replaces the
+per-sub-group hooks of its step (``_prepare_sub_group`` / ``_release_sub_group``) for swapped
+sub-groups with :func:`swap_in` / :func:`swap_out`.  Between steps a swapped sub-group's master
+tensor and moment tensors keep their identity (the optimizer's state is keyed by them) but hold
+no storage (``tensor.data`` is an empty tensor); while it is stepped they are views of one of
+``buffer_count`` aligned RAM buffers, each with its own I/O engine so that the next sub-group is
+read ahead while the current one is stepped and the previous one is written.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from nvmeswap import io
+from nvmeswap.swapfile import (
+    HEADER,
+    SwapCorruptionError,
+    decode_header,
+    encode_header,
+    preallocate,
+    remove_folder,
+    segment_bytes,
+)
+
+__all__ = ["Slot", "SubGroup", "SwapState", "build_gradient", "flush", "swap_in", "swap_out"]
+
+_EMPTY = torch.empty(0, dtype=torch.float32)
+
+
+class SubGroup:
+    """One swapped sub-group of one rank."""
+
+    __slots__ = ("checksum", "generation", "index", "keys", "master", "numel", "path", "slot", "writer")
+
+    def __init__(self, index: int, numel: int, path: str, master: torch.Tensor) -> None:
+        self.index = index
+        self.numel = numel
+        self.path = path
+        self.master = master
+        """DeepSpeed's fp32 partition tensor of the sub-group (identity kept, storage swapped)."""
+        self.keys: tuple[str, ...] = ()
+        """Optimizer-state entries swapped with it (known after the first step)."""
+        self.checksum: int | None = None
+        """Checksum of the last write (None before the first)."""
+        self.generation = 0
+        self.slot: Slot | None = None
+        """The buffer holding it now (resident or being read), None when only on disk."""
+        self.writer: Any = None
+        """The I/O engine of its last write (waited for before the file is read again)."""
+
+
+class Slot:
+    """An aligned RAM buffer with its own I/O engine."""
+
+    __slots__ = ("buffer", "engine", "owner", "ready", "released")
+
+    def __init__(self, nbytes: int, engine: Any) -> None:
+        self.buffer = io.aligned_empty(nbytes)
+        self.engine = engine
+        self.owner: SubGroup | None = None
+        """The sub-group being read into, or stepped in, the buffer (None: free, maybe writing)."""
+        self.ready = False
+        """True when the buffer holds ``owner``'s verified data."""
+        self.released = 0
+        """Clock of its last release: the free buffer released longest ago is reused first."""
+
+
+class SwapState:
+    """Everything the swapper knows about one engine."""
+
+    __slots__ = (
+        "algorithm",
+        "buffer_count",
+        "bytes_read",
+        "bytes_written",
+        "capacity",
+        "clock",
+        "folder",
+        "grad_partitions",
+        "grad_positions",
+        "groups",
+        "keep_master",
+        "make_engine",
+        "optimizer",
+        "order",
+        "overrides",
+        "pending_grads",
+        "resident",
+        "scratch",
+        "slots",
+        "state_slots",
+    )
+
+    def __init__(
+        self,
+        optimizer: Any,
+        folder: str,
+        sub_groups: list[int],
+        keep_master: bool,
+        buffer_count: int,
+        make_engine: Any,
+        algorithm: int,
+        state_slots: int = 2,
+    ) -> None:
+        self.optimizer = optimizer
+        self.folder = folder
+        self.keep_master = keep_master
+        self.algorithm = algorithm
+        self.state_slots = state_slots
+        numels = optimizer.fp16_partitioned_groups_flat_numel
+        self.groups: dict[int, SubGroup] = {
+            i: SubGroup(
+                i,
+                int(numels[i]),
+                os.path.join(folder, f"subgroup{i:05d}.swp"),
+                optimizer.fp32_partitioned_groups_flat[i],
+            )
+            for i in sub_groups
+        }
+        self.order = list(sub_groups)
+        biggest = max((g.numel for g in self.groups.values()), default=0)
+        self.capacity = HEADER + (state_slots + (0 if keep_master else 1)) * segment_bytes(biggest)
+        self.make_engine = make_engine
+        self.buffer_count = min(buffer_count, max(len(sub_groups), 1))
+        self.slots = [Slot(self.capacity, make_engine()) for _ in range(self.buffer_count)]
+        self.clock = 0
+        self.scratch = torch.empty(biggest, dtype=torch.float32)
+        """The fp32 gradient of the sub-group being stepped (one buffer, reused)."""
+        self.pending_grads: dict[int, dict[int, torch.Tensor]] = {}
+        """sub-group -> {offset: 16-bit gradient partition} recorded at the accumulation boundary."""
+        self.overrides: dict[int, torch.Tensor] = {}
+        """sub-group -> fp32 gradient written through DeepSpeed's set-gradient APIs."""
+        self.grad_partitions: dict[int, torch.Tensor] = (
+            optimizer._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+        )
+        self.grad_positions = optimizer.grad_position
+        self.resident: set[int] = set()
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    def file_bytes(self, g: SubGroup) -> int:
+        return HEADER + (self.state_slots + (0 if self.keep_master else 1)) * segment_bytes(g.numel)
+
+
+# -- layout ---------------------------------------------------------------------------------------
+def _segments(state: SwapState, g: SubGroup, keys: tuple[str, ...]) -> list[tuple[str, int]]:
+    """(name, byte offset in the file) of each segment: ``"master"`` then the state keys."""
+    names = ([] if state.keep_master else ["master"]) + list(keys)
+    seg = segment_bytes(g.numel)
+    return [(n, HEADER + k * seg) for k, n in enumerate(names)]
+
+
+def _view(slot: Slot, offset: int, numel: int) -> torch.Tensor:
+    return slot.buffer[offset : offset + numel * 4].view(torch.float32)
+
+
+def _state_tensors(state: SwapState, g: SubGroup) -> dict[str, torch.Tensor]:
+    st = state.optimizer.optimizer.state.get(g.master, {})
+    return {k: v for k, v in st.items() if isinstance(v, torch.Tensor) and k in g.keys}
+
+
+# -- buffers --------------------------------------------------------------------------------------
+def _free_slot(state: SwapState) -> Slot | None:
+    free = [s for s in state.slots if s.owner is None]
+    return min(free, key=lambda s: s.released) if free else None
+
+
+def _acquire(state: SwapState, g: SubGroup) -> Slot:
+    """A buffer for ``g``: the free one released longest ago, once its last write is done."""
+    slot = _free_slot(state)
+    if slot is None:
+        raise RuntimeError("nvmeswap: every swap buffer is in use; raise nvmeswap.buffer_count")
+    slot.engine.wait()  # its previous write must be on disk before the buffer is reused
+    slot.owner, slot.ready = g, False
+    g.slot = slot
+    return slot
+
+
+def _read(state: SwapState, g: SubGroup) -> None:
+    """Start reading ``g`` into a buffer (nothing to read before its first write)."""
+    if g.slot is not None:
+        return
+    slot = _acquire(state, g)
+    if g.checksum is None:
+        return
+    if g.writer is not None and g.writer is not slot.engine:
+        g.writer.wait()  # engines do not order requests between them
+    g.writer = None
+    nbytes = HEADER + len(_segments(state, g, g.keys)) * segment_bytes(g.numel)
+    slot.engine.submit("r", slot.buffer[:nbytes], g.path, 0)
+    state.bytes_read += nbytes
+
+
+def _hex(value: object) -> str:
+    return f"{value:#018x}" if isinstance(value, int) else repr(value)
+
+
+def _finish_read(state: SwapState, g: SubGroup) -> Slot:
+    slot = g.slot
+    assert slot is not None
+    if slot.ready:
+        return slot
+    slot.engine.wait()
+    if g.checksum is not None:
+        meta = decode_header(slot.buffer, g.path)
+        nbytes = len(_segments(state, g, g.keys)) * segment_bytes(g.numel)
+        payload = slot.buffer[HEADER : HEADER + nbytes]
+        got = io.checksum(payload, int(meta.get("algorithm", 0)))  # type: ignore[call-overload]
+        if got != meta.get("checksum") or got != g.checksum or meta.get("generation") != g.generation:
+            raise SwapCorruptionError(
+                f"swap file {g.path!r} (sub-group {g.index}) is corrupted: checksum {got:#018x} of its "
+                f"{nbytes} payload bytes, header says {_hex(meta.get('checksum'))}, last written "
+                f"{g.checksum:#018x} (generation {meta.get('generation')} vs {g.generation}). "
+                "Training stops rather than use it; resume from the last checkpoint."
+            )
+    slot.ready = True
+    return slot
+
+
+# -- the step -------------------------------------------------------------------------------------
+def swap_in(state: SwapState, index: int, prefetch: bool = True) -> None:
+    """Make sub-group ``index``'s master and moments resident (views of a buffer)."""
+    g = state.groups[index]
+    if index in state.resident:
+        return
+    _read(state, g)
+    slot = _finish_read(state, g)
+    segs = dict(_segments(state, g, g.keys))
+    if not state.keep_master:
+        if g.checksum is None:  # first use: the master is still DeepSpeed's own tensor
+            raise AssertionError("nvmeswap: sub-group swapped in before it was written")
+        g.master.data = _view(slot, segs["master"], g.numel)
+    for key, t in _state_tensors(state, g).items():
+        t.data = _view(slot, segs[key], g.numel)
+    state.resident.add(index)
+    if prefetch:
+        k = state.order.index(index)
+        if k + 1 < len(state.order):
+            nxt = state.groups[state.order[k + 1]]
+            if nxt.slot is None and _free_slot(state) is not None:
+                _read(state, nxt)
+
+
+def swap_out(state: SwapState, index: int, write: bool = True) -> None:
+    """Write sub-group ``index`` back (asynchronously) and release its storage."""
+    g = state.groups[index]
+    opt_state = state.optimizer.optimizer.state.get(g.master, {})
+    keys = tuple(
+        k
+        for k, v in opt_state.items()
+        if isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.numel() == g.numel
+    )
+    if len(keys) > state.state_slots:
+        raise RuntimeError(
+            f"nvmeswap: the optimizer keeps {len(keys)} per-element state tensors {list(keys)} for sub-group "
+            f"{index}, more than the {state.state_slots} the swap files were sized for (Adam/AdamW)"
+        )
+    slot = g.slot
+    if slot is None:  # never swapped in (the first write, from DeepSpeed's own tensors)
+        slot = _acquire(state, g)
+        slot.ready = True
+    g.keys = keys
+    segs = _segments(state, g, keys)
+    sources = ([] if state.keep_master else [g.master]) + [opt_state[k] for k in keys]
+    for (_, off), t in zip(segs, sources, strict=True):
+        dst = _view(slot, off, g.numel)
+        if t.data_ptr() != dst.data_ptr():
+            dst.copy_(t.detach().reshape(-1))
+    nbytes = len(segs) * segment_bytes(g.numel)
+    if write:
+        g.generation += 1
+        g.checksum = io.checksum(slot.buffer[HEADER : HEADER + nbytes], state.algorithm)
+        encode_header(
+            slot.buffer,
+            {
+                "sub_group": index,
+                "numel": g.numel,
+                "keys": list(keys),
+                "master": not state.keep_master,
+                "algorithm": state.algorithm,
+                "checksum": g.checksum,
+                "generation": g.generation,
+            },
+        )
+        slot.engine.submit("w", slot.buffer[: HEADER + nbytes], g.path, 0)
+        g.writer = slot.engine
+        state.bytes_written += HEADER + nbytes
+    if not state.keep_master:
+        g.master.data = _EMPTY
+    for k in keys:
+        opt_state[k].data = _EMPTY
+    state.resident.discard(index)
+    state.clock += 1
+    slot.owner, slot.ready, slot.released = None, False, state.clock
+    g.slot = None
+
+
+def flush(state: SwapState) -> None:
+    """Wait for every outstanding read and write."""
+    for s in state.slots:
+        s.engine.wait()
+
+
+def initialise(state: SwapState) -> None:
+    """Preallocate the files, then write every sub-group's master out and free its RAM."""
+    os.makedirs(state.folder, exist_ok=True)
+    preallocate({g.path: state.file_bytes(g) for g in state.groups.values()})
+    for i in state.order:
+        g = state.groups[i]
+        g.master.grad = None  # DeepSpeed's per-sub-group fp32 gradient buffer: not needed
+        swap_out(state, i)
+    flush(state)
+
+
+# -- gradients ------------------------------------------------------------------------------------
+def record_gradient(state: SwapState, index: int, offset: int, grad16: torch.Tensor) -> None:
+    """At the boundary: remember where sub-group ``index``'s gradient lies (no copy, no I/O)."""
+    if not state.pending_grads:
+        # the first gradient of a new window: gradients read through DeepSpeed's APIs since the
+        # last step (zeros then) are stale
+        state.overrides.clear()
+    state.pending_grads.setdefault(index, {})[offset] = grad16
+
+
+def build_gradient(state: SwapState, index: int) -> torch.Tensor:
+    """The fp32 gradient of sub-group ``index``: an override set through DeepSpeed's APIs, or the
+    16-bit partitions recorded at the boundary converted on the fly (what DeepSpeed would have
+    converted, written and read back)."""
+    g = state.groups[index]
+    override = state.overrides.get(index)
+    if override is not None:
+        return override
+    out = state.scratch[: g.numel]
+    parts = state.pending_grads.get(index, {})
+    if sum(t.numel() for t in parts.values()) != g.numel:
+        out.zero_()  # parameters unused in this window contribute zero
+    for off, t in parts.items():
+        out[off : off + t.numel()].copy_(t)
+    return out
+
+
+def end_step(state: SwapState) -> None:
+    """After the optimizer step (or a skipped one): forget this window's gradients."""
+    state.pending_grads.clear()
+    state.overrides.clear()
+
+
+def close(state: SwapState, restore: bool) -> None:
+    """Bring every sub-group back into RAM when ``restore`` (detaching leaves a working CPU-offload
+    engine), then delete the swap files."""
+    try:
+        flush(state)
+        if restore:
+            _restore(state)
+    finally:
+        remove_folder(state.folder)
+
+
+def _restore(state: SwapState) -> None:
+    for i in state.order:
+        g = state.groups[i]
+        swap_in(state, i, prefetch=False)
+        if not state.keep_master:
+            g.master.data = g.master.data.clone()
+        for t in _state_tensors(state, g).values():
+            t.data = t.data.clone()
+        g.master.grad = torch.zeros(g.numel, dtype=torch.float32)
+        state.resident.discard(i)
+        slot = g.slot
+        assert slot is not None
+        slot.owner, slot.ready, g.slot = None, False, None

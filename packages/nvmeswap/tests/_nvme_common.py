@@ -1,0 +1,276 @@
+"""Shared pieces of the nvmeswap tests: the model, configs, training loop and the 2-rank scenarios.
+
+The model has 1.2 M parameters so that DeepSpeed's own NVMe swapper (the oracle) swaps its
+sub-groups: it keeps sub-groups under 1 MiB (262,144 fp32 values) in RAM.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any
+
+import torch
+
+SUB_GROUP = 300_000
+"""sub_group_size: two or three swapped sub-groups per rank."""
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(600, 1000), torch.nn.LayerNorm(1000), torch.nn.Linear(1000, 600)
+    )
+
+
+def config(
+    path: str, dtype: str = "bf16", nvmeswap: dict[str, Any] | None = None, gas: int = 2
+) -> dict[str, Any]:
+    """DeepSpeed's NVMe optimizer offload (AdamW from torch), plus an nvmeswap section if given."""
+    from zerohooks.testing.toy import ds_config
+
+    cfg = ds_config(3, dtype, gas=gas, lr=1e-3)
+    cfg["zero_optimization"].update(
+        offload_optimizer={"device": "nvme", "nvme_path": path, "pin_memory": False},
+        sub_group_size=SUB_GROUP,
+    )
+    cfg["zero_force_ds_cpu_optimizer"] = False
+    if nvmeswap is not None:
+        cfg["nvmeswap"] = nvmeswap
+    return cfg
+
+
+def train(engine: Any, steps: int, gas: int = 2, first: int = 0, before_step: Any = None) -> list[float]:
+    """``steps`` optimizer steps of ``gas`` micro-steps; the losses.  ``before_step(engine)`` runs
+    after the last backward of each step, before ``engine.step()``."""
+    rank = int(os.environ.get("RANK", "0"))
+    losses = []
+    for s in range(first, first + steps):
+        for m in range(gas):
+            g = torch.Generator().manual_seed(1000 * s + 10 * m + rank)
+            x = torch.randn(4, 600, generator=g).to(next(engine.module.parameters()).dtype)
+            loss = (engine(x).float() - x.float()).pow(2).mean()
+            engine.backward(loss)
+            if m == gas - 1 and before_step is not None:
+                before_step(engine)
+            engine.step()
+            losses.append(float(loss))
+    return losses
+
+
+def params16(engine: Any) -> list[torch.Tensor]:
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        return [p.detach().clone() for p in params]
+
+
+def masters(engine: Any) -> list[torch.Tensor]:
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return [safe_get_full_fp32_param(p).detach().clone() for p in engine.module.parameters()]
+
+
+def moments(engine: Any) -> list[torch.Tensor]:
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    return [
+        safe_get_full_optimizer_state(p, k).detach().clone()
+        for p in engine.module.parameters()
+        for k in ("exp_avg", "exp_avg_sq")
+    ]
+
+
+def swap_files(folder: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(folder, "**", "*.swp"), recursive=True))
+
+
+def _oracle_config(path: str, **kw: Any) -> dict[str, Any]:
+    """DeepSpeed's own CPU offload of the same run: the numerics nvmeswap must reproduce bit for bit."""
+    cfg = config(path, **kw)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    return cfg
+
+
+def _build(model_cfg: dict[str, Any], plugins: bool = True) -> Any:
+    import deepspeed
+
+    import zerohooks
+
+    model = make_model()
+    init = zerohooks.initialize if plugins else deepspeed.initialize
+    engine, *_ = init(model=model, model_parameters=model.parameters(), config=model_cfg)
+    return engine
+
+
+def _halve_first_grad(engine: Any) -> None:
+    """Write a gradient back through DeepSpeed's set-gradient API (as gradient surgery does)."""
+    from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
+
+    p = next(engine.module.parameters())
+    safe_set_full_grad(p, safe_get_full_grad(p) * 0.5)
+
+
+def _state(engine: Any) -> Any:
+    import zerohooks
+
+    att = zerohooks.attachment(engine)
+    return next(p for p in att.plugins if p.name == "nvmeswap").state
+
+
+def _io_bytes() -> tuple[int, int]:
+    with open("/proc/self/io") as f:
+        vals = dict(line.split(":") for line in f.read().splitlines())
+    return int(vals["read_bytes"]), int(vals["write_bytes"])
+
+
+def scenario_training(tmp: str) -> dict[str, Any]:
+    """nvmeswap (both modes) against DeepSpeed's own offload: losses, parameters, moments, bytes."""
+    import torch
+
+    import zerohooks
+
+    rank = int(os.environ["RANK"])
+    out: dict[str, Any] = {}
+    ref = _build(_oracle_config(f"{tmp}/oracle{rank}"), plugins=False)
+    out["oracle_losses"] = train(ref, 3)
+    oracle = (params16(ref), masters(ref), moments(ref))
+    out["oracle_after_detach"] = train(ref, 1, first=3)
+
+    for mode, section in (("default", {}), ("ram", {"keep_master_in_ram": True})):
+        folder = f"{tmp}/{mode}{rank}"
+        eng = _build(config(folder, nvmeswap=section))
+        st = _state(eng)
+        out[f"{mode}_files_at_start"] = swap_files(folder)
+        out[f"{mode}_file_sizes"] = [os.path.getsize(f) for f in swap_files(folder)]
+        out[f"{mode}_numels"] = [g.numel for g in st.groups.values()]
+        losses = train(eng, 2)
+        r0, w0, b0 = st.bytes_read, st.bytes_written, _io_bytes()
+        losses += train(eng, 1, first=2)
+        from nvmeswap import swapper
+
+        swapper.flush(st)  # the step's last writes are asynchronous
+        b1 = _io_bytes()
+        out[f"{mode}_step_bytes"] = (st.bytes_read - r0, st.bytes_written - w0)
+        out[f"{mode}_proc_io"] = (b1[0] - b0[0], b1[1] - b0[1])
+        out[f"{mode}_losses"] = losses
+        out[f"{mode}_equal"] = [
+            all(torch.equal(a, b) for a, b in zip(x, y, strict=True))
+            for x, y in zip(oracle, (params16(eng), masters(eng), moments(eng)), strict=True)
+        ]
+        zerohooks.detach(eng)
+        out[f"{mode}_files_after_detach"] = swap_files(folder)
+        out[f"{mode}_after_detach"] = train(eng, 1, first=3)  # a plain CPU-offload engine again
+    return out
+
+
+def scenario_set_grad(tmp: str) -> dict[str, Any]:
+    """Gradients written back through DeepSpeed's set-gradient API reach the optimizer step."""
+    from deepspeed.utils import safe_get_full_grad
+
+    rank = int(os.environ["RANK"])
+    ref = _build(_oracle_config(f"{tmp}/sg_oracle{rank}"), plugins=False)
+    eng = _build(config(f"{tmp}/sg{rank}", nvmeswap={}))
+    plain = _build(config(f"{tmp}/sg_plain{rank}", nvmeswap={}))
+    reader = _build(config(f"{tmp}/sg_read{rank}", nvmeswap={}))
+    read_after_step = []
+    for s in range(3):  # gradients read between steps must not leak into the next step
+        read_after_step += train(reader, 1, first=s)
+        safe_get_full_grad(next(reader.module.parameters()))
+    return {
+        "oracle": train(ref, 3, before_step=_halve_first_grad),
+        "nvmeswap": train(eng, 3, before_step=_halve_first_grad),
+        "without_set": train(plain, 3),
+        "read_after_step": read_after_step,
+    }
+
+
+def scenario_corruption(tmp: str) -> dict[str, Any]:
+    """A flipped byte in a swap file stops training with an error naming the file."""
+    import zerohooks
+    from nvmeswap import SwapCorruptionError
+
+    rank = int(os.environ["RANK"])
+    folder = f"{tmp}/corrupt{rank}"
+    eng = _build(config(folder, nvmeswap={}))
+    train(eng, 1)
+    victim = swap_files(folder)[0]
+    with open(victim, "r+b") as f:  # one byte in the middle of the fp32 master segment
+        f.seek(4096 + 1000)
+        b = f.read(1)
+        f.seek(4096 + 1000)
+        f.write(bytes([b[0] ^ 0x10]))
+    try:
+        train(eng, 1, first=1)
+        caught = None
+    except SwapCorruptionError as e:
+        caught = str(e)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zerohooks.detach(eng)
+    return {"victim": victim, "error": caught, "files_after": swap_files(folder)}
+
+
+def scenario_checkpoint(tmp: str) -> dict[str, Any]:
+    """Save after 2 steps, train 2 more; a fresh engine loads and trains the same 2 steps."""
+    import torch
+    import torch.distributed as dist
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    rank = int(os.environ["RANK"])
+    ckpt = f"{tmp}/ckpt"
+    eng = _build(config(f"{tmp}/ck_a{rank}", nvmeswap={}))
+    losses = train(eng, 2)
+    eng.save_checkpoint(ckpt, tag="s2")
+    saved_masters = masters(eng)
+    losses += train(eng, 2, first=2)
+    fresh = _build(config(f"{tmp}/ck_b{rank}", nvmeswap={}))
+    fresh.load_checkpoint(ckpt, tag="s2")
+    resumed = train(fresh, 2, first=2)
+    consolidated_equal = None
+    if rank == 0:
+        sd = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="s2")
+        names = [n for n, _ in eng.module.named_parameters()]
+        consolidated_equal = [
+            torch.equal(sd[n].float(), m.view_as(sd[n])) for n, m in zip(names, saved_masters, strict=True)
+        ]
+    dist.barrier()
+    return {"uninterrupted": losses, "resumed": resumed, "consolidated_equal": consolidated_equal}
+
+
+def scenario_variants(tmp: str) -> dict[str, Any]:
+    """fp16 with dynamic loss scaling (skipped steps) and gradient clipping; the Python I/O engine."""
+    rank = int(os.environ["RANK"])
+    out: dict[str, Any] = {}
+    cases: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+        "fp16_clip": ({"dtype": "fp16"}, {"gradient_clipping": 0.05}),
+        "python_engine": ({}, {}),
+    }
+    for name, (kw, extra) in cases.items():
+        section = {"io_engine": "python"} if name == "python_engine" else {}
+        ref_cfg = _oracle_config(f"{tmp}/{name}_oracle{rank}", **kw)
+        cfg = config(f"{tmp}/{name}{rank}", nvmeswap=section, **kw)
+        ref_cfg.update(extra)
+        cfg.update(extra)
+        ref = _build(ref_cfg, plugins=False)
+        eng = _build(cfg)
+        out[name] = {"oracle": train(ref, 4), "nvmeswap": train(eng, 4)}
+        out[name]["skipped"] = (ref.skipped_steps, eng.skipped_steps)
+        out[name]["algorithm"] = _state(eng).algorithm
+    return out
+
+
+def all_two_rank_scenarios(tmp: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, fn in (
+        ("variants", scenario_variants),
+        ("training", scenario_training),
+        ("set_grad", scenario_set_grad),
+        ("corruption", scenario_corruption),
+        ("checkpoint", scenario_checkpoint),
+    ):
+        out[name] = fn(tmp)
+    return out

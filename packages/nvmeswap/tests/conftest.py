@@ -1,0 +1,26 @@
+"""One 2-rank launch for all the multi-rank scenarios of this folder (starting ranks is the slow part)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from _nvme_common import all_two_rank_scenarios
+
+from zerohooks.testing import run_distributed
+
+
+@pytest.fixture(scope="session")
+def native_engine() -> bool:
+    """Build the C++ I/O engine in the parent process, so the ranks load it without racing."""
+    from nvmeswap import io
+
+    return io.load_native() is not None
+
+
+@pytest.fixture(scope="session")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory, native_engine: bool) -> list[dict[str, Any]]:
+    """Every rank's results of every 2-rank scenario (run once per test session)."""
+    tmp = str(tmp_path_factory.mktemp("nvmeswap"))
+    # fp16_on_cpu: DeepSpeed's CPU accelerator accepts fp16 (changes nothing for bf16)
+    return run_distributed(all_two_rank_scenarios, 2, args=(tmp,), timeout=1200, fp16_on_cpu=True)

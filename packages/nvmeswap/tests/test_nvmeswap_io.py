@@ -1,0 +1,112 @@
+"""The I/O engines (C++ and pure Python): data round trips, checked completions, checksums."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from nvmeswap import io
+
+ENGINES = ["native", "python"]
+
+
+def _engine(kind: str, native_engine: bool) -> object:
+    if kind == "native" and not native_engine:
+        pytest.skip(f"the C++ engine did not build here: {io.build_error()}")
+    return io.engine(3, 64 * 1024, native=kind == "native")
+
+
+def _random(nbytes: int, seed: int) -> torch.Tensor:
+    buf = io.aligned_empty(nbytes)
+    buf.copy_(
+        torch.randint(
+            0, 256, (buf.numel(),), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+        )
+    )
+    return buf
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_round_trip_many_requests_in_flight(tmp_path, kind: str, native_engine: bool) -> None:
+    eng = _engine(kind, native_engine)
+    path = str(tmp_path / "f.bin")
+    bufs = [_random(300 * 1024, seed) for seed in range(6)]  # 5 blocks each, 30 in flight
+    for k, b in enumerate(bufs):
+        eng.submit("w", b, path, k * b.numel())  # type: ignore[attr-defined]
+    eng.wait()  # type: ignore[attr-defined]
+    with open(path, "rb") as f:  # independent check of the file's bytes
+        assert f.read() == b"".join(bytes(b.numpy()) for b in bufs)
+    back = [io.aligned_empty(b.numel()) for b in bufs]
+    for k, b in enumerate(back):
+        eng.submit("r", b, path, k * b.numel())  # type: ignore[attr-defined]
+    assert eng.pending() >= 0  # type: ignore[attr-defined]
+    eng.wait()  # type: ignore[attr-defined]
+    assert all(torch.equal(a, b) for a, b in zip(bufs, back, strict=True))
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_unaligned_buffers_still_work(tmp_path, kind: str, native_engine: bool) -> None:
+    eng = _engine(kind, native_engine)
+    path = str(tmp_path / "u.bin")
+    data = torch.randn(1001)  # neither address nor size 4096-aligned: buffered I/O
+    eng.submit("w", data, path, 12)  # type: ignore[attr-defined]
+    eng.wait()  # type: ignore[attr-defined]
+    back = torch.empty(1001)
+    eng.submit("r", back, path, 12)  # type: ignore[attr-defined]
+    eng.wait()  # type: ignore[attr-defined]
+    assert torch.equal(data, back)
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_short_read_names_file_and_offset(tmp_path, kind: str, native_engine: bool) -> None:
+    eng = _engine(kind, native_engine)
+    path = str(tmp_path / "short.bin")
+    with open(path, "wb") as f:
+        f.write(b"x" * 100_000)
+    buf = io.aligned_empty(128 * 1024)
+    eng.submit("r", buf, path, 0)  # type: ignore[attr-defined]
+    with pytest.raises(io.SwapIOError, match=r"read of '.*short\.bin' at offset 100000 .*short read"):
+        eng.wait()  # type: ignore[attr-defined]
+    eng.wait()  # the error was reported once; the engine is usable again
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_failed_write_names_file_and_offset(kind: str, native_engine: bool) -> None:
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    eng = _engine(kind, native_engine)
+    eng.submit("w", _random(8192, 1), "/dev/full", 0)  # type: ignore[attr-defined]
+    with pytest.raises(io.SwapIOError, match=r"write of '/dev/full' at offset \d+ .*No space left"):
+        eng.wait()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_missing_file_is_a_clear_error(tmp_path, kind: str, native_engine: bool) -> None:
+    eng = _engine(kind, native_engine)
+    with pytest.raises(io.SwapIOError, match=r"cannot open .*nothere.* for reading"):
+        eng.submit("r", io.aligned_empty(4096), str(tmp_path / "nothere"), 0)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("algorithm", [1, 2])
+def test_checksum_sees_one_flipped_bit(algorithm: int, native_engine: bool) -> None:
+    if algorithm == 1 and not native_engine:
+        pytest.skip("C++ engine not built")
+    buf = _random(1 << 20, 7)
+    for nbytes in (1 << 20, 1000, 33):  # full words, and tails shorter than a word group
+        ref = io.checksum(buf[:nbytes], algorithm)
+        assert io.checksum(buf[:nbytes].clone(), algorithm) == ref
+        for pos in (0, nbytes // 2, nbytes - 1):
+            flipped = buf[:nbytes].clone()
+            flipped[pos] ^= 4
+            assert io.checksum(flipped, algorithm) != ref
+    a = buf[:64].clone()
+    b = torch.cat([a[32:], a[:32]])  # the same bytes in another order
+    assert io.checksum(a, algorithm) != io.checksum(b, algorithm)
+
+
+def test_aligned_empty_is_aligned() -> None:
+    for n in (1, 4096, 5000, 1 << 20):
+        t = io.aligned_empty(n)
+        assert t.data_ptr() % io.ALIGN == 0 and t.numel() % io.ALIGN == 0 and t.numel() >= n
