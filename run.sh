@@ -18,7 +18,7 @@ log() { printf 'run.sh: %s\n' "$*" >&2; }
 apt_packages=()
 command -v c++ >/dev/null 2>&1 || apt_packages+=(g++) # torch/DeepSpeed JIT-build C++ ops
 if [[ -d packages/nvmeswap ]] && ! dpkg -s libaio-dev >/dev/null 2>&1; then
-    apt_packages+=(libaio-dev) # DeepSpeed's async_io op (NVMe swap)
+    apt_packages+=(libaio-dev) # DeepSpeed's own async_io op: the oracle of the NVMe swap tests (nvmeswap does not need it)
 fi
 if ((${#apt_packages[@]})); then
     log "apt-get install ${apt_packages[*]}"

@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _models import demo_ds_config
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "out"
 sys.path.insert(0, str(ROOT / "examples"))  # gpt.py, data.py (imported, not edited)
@@ -46,23 +48,7 @@ CASES = ("ds_autocast", "autocastzero", "ds_bf16")
 
 
 def _config(case: str, stage: int, micro_batch: int) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": 2e-3,
-                "betas": [0.9, 0.95],
-                "eps": 1e-8,
-                "weight_decay": 0.1,
-                "torch_adam": True,
-            },
-        },
-        "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": stage},
-        "steps_per_print": 10**9,
-    }
+    cfg = demo_ds_config(stage, micro_batch)
     if case == "ds_autocast":
         cfg["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     elif case == "autocastzero":

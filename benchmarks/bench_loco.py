@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _models import demo_ds_config
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "out"
 sys.path.insert(0, str(ROOT / "examples"))  # gpt.py, data.py (imported, not edited)
@@ -51,33 +53,17 @@ def _skip_shm() -> None:
 
 def _ds_config(stage: int, steps: int, micro_batch: int, loco: dict[str, Any] | None) -> dict[str, Any]:
     """examples/train_gpt.py's defaults, fp32 compute, bf16 gradient communication."""
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": 2e-3,
-                "betas": [0.9, 0.95],
-                "eps": 1e-8,
-                "weight_decay": 0.1,
-                "torch_adam": True,
-            },
+    cfg = demo_ds_config(stage, micro_batch)
+    cfg["scheduler"] = {
+        "type": "WarmupCosineLR",
+        "params": {
+            "total_num_steps": steps,
+            "warmup_num_steps": max(1, steps // 10),
+            "warmup_type": "linear",
+            "cos_min_ratio": 0.1,
         },
-        "scheduler": {
-            "type": "WarmupCosineLR",
-            "params": {
-                "total_num_steps": steps,
-                "warmup_num_steps": max(1, steps // 10),
-                "warmup_type": "linear",
-                "cos_min_ratio": 0.1,
-            },
-        },
-        "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": stage},
-        "communication_data_type": "bf16",
-        "steps_per_print": 10**9,
     }
+    cfg["communication_data_type"] = "bf16"
     if loco is not None:
         cfg["loco"] = loco
     return cfg

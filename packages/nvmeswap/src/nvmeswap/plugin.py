@@ -251,9 +251,11 @@ def _install_checkpoint(att: Any, opt: Any, state: SwapState) -> None:
             swapper.swap_out(state, i)
         swapper.flush(state)
 
-    def make_save(original: Callable[..., Any]) -> Callable[..., Any]:
+    def resident(original: Callable[..., Any]) -> Callable[..., Any]:
+        """``original`` (a checkpoint save or load) run with every sub-group in RAM."""
+
         @functools.wraps(original)
-        def save(*args: Any, **kwargs: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
             _ensure_slots(state)
             all_in()
             try:
@@ -262,23 +264,10 @@ def _install_checkpoint(att: Any, opt: Any, state: SwapState) -> None:
                 all_out()
                 _trim_slots(state)
 
-        return save
+        return run
 
-    def make_load(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def load(*args: Any, **kwargs: Any) -> Any:
-            _ensure_slots(state)
-            all_in()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                all_out()
-                _trim_slots(state)
-
-        return load
-
-    att.patch(engine, "_save_zero_checkpoint", make_save, "DeepSpeedEngine")
-    att.patch(engine, "_load_zero_checkpoint", make_load, "DeepSpeedEngine")
+    att.patch(engine, "_save_zero_checkpoint", resident, "DeepSpeedEngine")
+    att.patch(engine, "_load_zero_checkpoint", resident, "DeepSpeedEngine")
 
 
 def _ensure_slots(state: SwapState) -> None:
