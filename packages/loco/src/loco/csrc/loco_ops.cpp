@@ -6,13 +6,13 @@
 //
 // All three write into tensors the caller provides (the codes may go straight into a strided
 // view of an all-to-all send buffer) and update the error buffer in place, so nothing is
-// allocated per call.  The arithmetic lives in loco_cpu.h (one quantization group at a time,
+// allocated per call.  The arithmetic lives in loco_cpu.h (sender side) and loco_cpu_recv.h (receiver side), one quantization group at a time,
 // vectorized); this file checks the arguments and spreads groups over threads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "loco_cpu.h"
+#include "loco_cpu_recv.h"
 #include "loco_torch.h"
 
 namespace loco {

@@ -1,0 +1,205 @@
+// Receiver-side CPU kernels of LoCo: sums of quantized rows (dequantize-reduce, and
+// dequantize-reduce-requantize with error feedback).  Split from loco_cpu.h, whose sender-side
+// pieces (group loads, scales, encoding, the error buffer) they reuse; no torch headers.
+//
+// The 4-bit sums are kept in registers (reduce16_4bit): dequantize-reduce divides and stores
+// 16-bit outputs straight from them, dequantize-reduce-requantize adds the error to them before
+// the shared encode phase.  Rows are added in order from +0 with separately rounded float32
+// multiplies and adds, as loco/reference.py does, so the results are bitwise the reference's.
+#pragma once
+
+#include "loco_cpu.h"
+
+namespace loco {
+namespace cpu {
+
+// acc = sum over rows s of deQ(q[s]) for group gi, rows added in order
+template <int BITS>
+inline void reduce_group(const Rows& rows, int64_t gi, int64_t G, float* __restrict acc) {
+  const uint8_t* q = rows.q;
+  const int64_t q_stride = rows.q_stride;
+  for (int64_t i = 0; i < G; ++i) acc[i] = 0.f;
+  for (int64_t s = 0; s < rows.S; ++s) {
+    const float f = rows.scale[s * rows.s_stride + gi];
+    if constexpr (BITS == 4) {
+      const int64_t H = G / 2;
+      const uint8_t* __restrict p = q + s * q_stride + gi * H;
+#if LOCO_AVX2
+      const __m256 vf = _mm256_set1_ps(f);
+      const __m256i fifteen = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+      for (int64_t j = 0; j < H; j += 8) {
+        const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + j)));
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(w, fifteen), eight));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(w, 4), eight));
+        _mm256_storeu_ps(acc + j, _mm256_add_ps(_mm256_loadu_ps(acc + j), _mm256_mul_ps(lo, vf)));
+        _mm256_storeu_ps(acc + j + H, _mm256_add_ps(_mm256_loadu_ps(acc + j + H), _mm256_mul_ps(hi, vf)));
+      }
+#else
+      for (int64_t j = 0; j < H; ++j) acc[j] = acc[j] + static_cast<float>(static_cast<int>(p[j] & 15) - 8) * f;
+      for (int64_t j = 0; j < H; ++j) acc[j + H] = acc[j + H] + static_cast<float>(static_cast<int>(p[j] >> 4) - 8) * f;
+#endif
+    } else {
+      const int8_t* __restrict p = reinterpret_cast<const int8_t*>(q + s * q_stride) + gi * G;
+      for (int64_t i = 0; i < G; ++i) acc[i] = acc[i] + static_cast<float>(p[i]) * f;
+    }
+  }
+}
+
+#if LOCO_AVX2
+// Sums over the S rows of deQ for 16 elements of 4-bit group gi: elements j..j+8 (low nibbles of
+// bytes j..j+8) into lo and j+H..j+H+8 (high nibbles) into hi, H = G/2.  Rows are added in order
+// starting from +0, with the same float32 multiply and add as reduce_group, kept in registers.
+inline void reduce16_4bit(const Rows& rows, int64_t gi, int64_t H, int64_t j, __m256& lo, __m256& hi) {
+  const __m256i fifteen = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+  lo = _mm256_setzero_ps();
+  hi = _mm256_setzero_ps();
+  const uint8_t* p = rows.q + gi * H + j;
+  const float* f = rows.scale + gi;
+  for (int64_t s = 0; s < rows.S; ++s, p += rows.q_stride, f += rows.s_stride) {
+    const __m256 vf = _mm256_broadcast_ss(f);
+    const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256 l = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(w, fifteen), eight));
+    const __m256 h = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(w, 4), eight));
+    lo = _mm256_add_ps(lo, _mm256_mul_ps(l, vf));
+    hi = _mm256_add_ps(hi, _mm256_mul_ps(h, vf));
+  }
+}
+
+// 8 float32 lanes -> bfloat16 (round to nearest even, NaN -> 0x7fc0, as to_bf16) in the low
+// 16 bits of each int32 lane
+inline __m256i bf16_lanes(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(kAbsMask))),
+                                         _mm256_set1_epi32(static_cast<int>(kInfBits)));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+}
+
+// x = sum over rows of deQ (4-bit group gi) + deQ(e), ep = deQ(e); returns the max bits of |x|
+// (reduce_group then fuse_x, with the sums kept in registers)
+template <int EK>
+inline uint32_t fuse_reduce4(const Rows& rows, const ErrBuf& e, int64_t gi, int64_t G, float* __restrict x,
+                             float* __restrict ep) {
+  const __m256i absm = _mm256_set1_epi32(static_cast<int>(kAbsMask));
+  const __m256 vs = _mm256_set1_ps(EK == kErrInt8 ? e.scale[gi] : 0.f);
+  const int64_t H = G / 2;
+  __m256i vmax = _mm256_setzero_si256();
+  for (int64_t j = 0; j < H; j += 8) {
+    __m256 v[2];
+    reduce16_4bit(rows, gi, H, j, v[0], v[1]);
+    for (int h = 0; h < 2; ++h) {
+      const int64_t i = j + h * H;
+      if constexpr (EK != kErrNone) {
+        const __m256 pe = err8<EK>(e, gi * G + i, vs);
+        _mm256_storeu_ps(ep + i, pe);
+        v[h] = _mm256_add_ps(v[h], pe);
+      }
+      _mm256_storeu_ps(x + i, v[h]);
+      vmax = _mm256_max_epu32(vmax, _mm256_and_si256(_mm256_castps_si256(v[h]), absm));
+    }
+  }
+  return hmax_u32(vmax);
+}
+
+inline uint32_t fuse_reduce4_any(const Rows& rows, const ErrBuf& e, int64_t gi, int64_t G, float* x, float* ep) {
+  switch (e.kind) {
+    case kErrInt8: return fuse_reduce4<kErrInt8>(rows, e, gi, G, x, ep);
+    case kErrBF16: return fuse_reduce4<kErrBF16>(rows, e, gi, G, x, ep);
+    case kErrF32: return fuse_reduce4<kErrF32>(rows, e, gi, G, x, ep);
+    default: return fuse_reduce4<kErrNone>(rows, e, gi, G, x, ep);
+  }
+}
+
+// store 8 float32 values at element i of a float32 / bfloat16 / float16 array (as store_run)
+template <int DT>
+inline void store8(void* dst, int64_t i, __m256 v) {
+  if constexpr (DT == kF32) {
+    _mm256_storeu_ps(static_cast<float*>(dst) + i, v);
+  } else {
+    __m128i h;
+    if constexpr (DT == kBF16) {
+      const __m256i b = bf16_lanes(v);
+      h = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+    } else {
+      h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(dst) + i), h);
+  }
+}
+#endif
+
+// ---- whole operators (see loco_cpu.h's quantize_ef for the parallel() contract) ----
+
+// rows q[s] (S sources, M elements each) summed, plus the error, requantized into dst, whose
+// rows hold gpr groups each
+template <int BITS, typename For>
+void dequant_reduce_requant(For&& parallel, const Rows& rows, int64_t M, int64_t G, float b, float omb, int64_t gpr,
+                            const Dest& dst, const Err& e) {
+  const int64_t per_block = kBlock / G;
+  parallel(M / G, [&](int64_t begin, int64_t end) {
+    Scratch sc;
+    GroupCursor at(begin, gpr);
+    for (int64_t gi0 = begin; gi0 < end; gi0 += per_block) {
+      const int64_t nb = std::min(per_block, end - gi0);
+      for (int64_t k = 0; k < nb; ++k, at.next()) {
+        const int64_t gi = gi0 + k;
+        float* x = sc.x + k * G;
+        float* ep = sc.ep + k * G;
+#if LOCO_AVX2
+        if constexpr (BITS == 4) {
+          // the sum stays in registers: x = sum + deQ(e) in one pass
+          sc.m[k] = fuse_reduce4_any(rows, e, gi, G, x, ep);
+        } else {
+          reduce_group<BITS>(rows, gi, G, x);
+          const float* acc = x;
+          sc.m[k] = fuse_x_any([acc](int64_t i) { return _mm256_loadu_ps(acc + i); }, e, gi, G, x, ep);
+        }
+#else
+        reduce_group<BITS>(rows, gi, G, x);
+        if (e.kind != kErrNone) {
+          load_err(e, gi, G, ep);
+          for (int64_t i = 0; i < G; ++i) x[i] = x[i] + ep[i];
+        }
+        sc.m[k] = absmax_bits(x, G);
+#endif
+        sc.q[k] = q_row(dst, at.r) + at.j * G * BITS / 8;
+        sc.sd[k] = s_row(dst, at.r) + at.j;
+      }
+      encode_block<BITS>(sc, nb, gi0, G, b, omb, e);
+    }
+  });
+}
+
+template <int DT, int BITS, typename For>
+void dequant_reduce(For&& parallel, const Rows& rows, int64_t G, float divisor, void* out, int64_t n_out) {
+  parallel((n_out + G - 1) / G, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kMaxGroup];
+    for (int64_t gi = begin; gi < end; ++gi) {
+#if LOCO_AVX2
+      if (BITS == 4 && (gi + 1) * G <= n_out) {  // whole group: sum, divide, convert, store
+        const int64_t H = G / 2;
+        const __m256 vd = _mm256_set1_ps(divisor);
+        for (int64_t j = 0; j < H; j += 8) {
+          __m256 lo, hi;
+          reduce16_4bit(rows, gi, H, j, lo, hi);
+          if (divisor != 1.f) {
+            lo = _mm256_div_ps(lo, vd);
+            hi = _mm256_div_ps(hi, vd);
+          }
+          store8<DT>(out, gi * G + j, lo);
+          store8<DT>(out, gi * G + j + H, hi);
+        }
+        continue;
+      }
+#endif
+      reduce_group<BITS>(rows, gi, G, acc);
+      if (divisor != 1.f)
+        for (int64_t i = 0; i < G; ++i) acc[i] = acc[i] / divisor;
+      store_run<DT>(out, gi * G, std::min(G, n_out - gi * G), acc);
+    }
+  });
+}
+
+}  // namespace cpu
+}  // namespace loco
