@@ -301,5 +301,5 @@ def detach_scenario() -> dict[str, Any]:
         "error": error,
         "kept_modules": kept_modules,
         "staging_patch": (patched, unpatched),
-        "state_after_detach": mixed_state(engine) is None,
+        "state_after_detach": state is not None and state.handles == [] and mixed_state(engine) is None,
     }

@@ -104,6 +104,7 @@ def test_detach_removes_boundary_casts(two_ranks: list[dict[str, Any]]) -> None:
         assert res["hooks"][0] - res["hooks"][1] == 2  # the entry and exit casts
         assert not res["to_shadowed"]
         assert res["seen"][-1] == "float64", "the forward should fail without the casts"
+        assert res["seen"][-2] == "bfloat16", "after detach the LayerNorm gets the bf16 activation as is"
         assert res["error"]
         assert res["kept_modules"] == ["fc2", "norm"]
         assert res["staging_patch"] == (True, True)  # ZeRO 2's setup_buckets, patched then restored

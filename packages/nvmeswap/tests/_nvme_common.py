@@ -208,10 +208,15 @@ def scenario_corruption(tmp: str) -> dict[str, Any]:
         caught = str(e)
     import warnings
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
         zerohooks.detach(eng)
-    return {"victim": victim, "error": caught, "files_after": swap_files(folder)}
+    return {
+        "victim": victim,
+        "error": caught,
+        "files_after": swap_files(folder),
+        "detach_warnings": [str(w.message) for w in got if "nvmeswap" in str(w.message)],
+    }
 
 
 def scenario_checkpoint(tmp: str) -> dict[str, Any]:
@@ -226,10 +231,25 @@ def scenario_checkpoint(tmp: str) -> dict[str, Any]:
     losses = train(eng, 2)
     eng.save_checkpoint(ckpt, tag="s2")
     saved_masters = masters(eng)
+    import deepspeed
+
     losses += train(eng, 2, first=2)
     fresh = _build(config(f"{tmp}/ck_b{rank}", nvmeswap={}))
     fresh.load_checkpoint(ckpt, tag="s2")
     resumed = train(fresh, 2, first=2)
+    # module-only load: DeepSpeed refreshes the (swapped-out) fp32 masters from the 16-bit
+    # weights.  One step first, so the masters hold more than their 16-bit rounding.
+    third = _build(config(f"{tmp}/ck_c{rank}", nvmeswap={}))
+    train(third, 1)
+
+    def weights(e: Any) -> list[torch.Tensor]:
+        with deepspeed.zero.GatheredParameters(list(e.module.parameters())):
+            return [p.detach().float().clone() for p in e.module.parameters()]
+
+    masters_before = [torch.equal(m, w) for m, w in zip(masters(third), weights(third), strict=True)]
+    third.load_checkpoint(ckpt, tag="s2", load_module_only=True)
+    module_only = [torch.equal(m, w) for m, w in zip(masters(third), weights(third), strict=True)]
+    module_only_losses = train(third, 1, first=2)
     consolidated_equal = None
     if rank == 0:
         sd = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="s2")
@@ -238,7 +258,14 @@ def scenario_checkpoint(tmp: str) -> dict[str, Any]:
             torch.equal(sd[n].float(), m.view_as(sd[n])) for n, m in zip(names, saved_masters, strict=True)
         ]
     dist.barrier()
-    return {"uninterrupted": losses, "resumed": resumed, "consolidated_equal": consolidated_equal}
+    return {
+        "uninterrupted": losses,
+        "resumed": resumed,
+        "consolidated_equal": consolidated_equal,
+        "module_only": module_only,
+        "masters_before_module_only": masters_before,
+        "module_only_losses": module_only_losses,
+    }
 
 
 def scenario_variants(tmp: str) -> dict[str, Any]:

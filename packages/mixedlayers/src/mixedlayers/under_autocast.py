@@ -40,10 +40,11 @@ def record_kept(state: MixedState, modules: dict[str, nn.Module]) -> None:
     state.param_ids = frozenset(params)
 
 
-def _device_type(module: nn.Module) -> str:
-    for p in module.parameters():
-        return p.device.type
-    return "cpu"
+def _device_type() -> str:
+    """The device type autocast runs on (the accelerator's, as autocastzero uses it)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return str(get_accelerator().device_name())
 
 
 def install_autocast_off(state: MixedState, contexts: list[Any]) -> None:
@@ -52,8 +53,10 @@ def install_autocast_off(state: MixedState, contexts: list[Any]) -> None:
     ``contexts`` holds the autocast contexts of the modules whose forward is running (entered in
     the pre-hook, left in the post-hook, which also runs when the forward raises)."""
 
+    device = _device_type()
+
     def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        off = torch.autocast(device_type=_device_type(module), enabled=False)
+        off = torch.autocast(device_type=device, enabled=False)
         off.__enter__()
         contexts.append(off)
         if not state.cast_inputs:

@@ -122,7 +122,13 @@ class NvmeSwapPlugin(ZeroPlugin):
             algorithm=1 if native else 2,
         )
         _install(att, opt, state)
-        swapper.initialise(state)
+        try:
+            swapper.initialise(state)
+        except BaseException:
+            # preallocation failed part way (full disk, file-size limit): no swap file is left behind
+            swapper.remove_folder(folder)
+            self.state = None
+            raise
         ref = weakref.ref(self)
 
         def cleanup() -> None:  # a clean interpreter exit removes the swap files
@@ -142,7 +148,7 @@ class NvmeSwapPlugin(ZeroPlugin):
             except (SwapCorruptionError, io.SwapIOError) as e:
                 warnings.warn(
                     f"nvmeswap: the optimizer state could not be brought back into RAM on detach ({e}); "
-                    "this engine cannot train further",
+                    f"this engine cannot train further; the swap files are kept in {state.folder}",
                     RuntimeWarning,
                     stacklevel=2,
                 )
@@ -251,11 +257,16 @@ def _install_checkpoint(att: Any, opt: Any, state: SwapState) -> None:
             swapper.swap_out(state, i)
         swapper.flush(state)
 
+    depth = [0]  # re-entrant: a load that refreshes the masters nests one wrapped call in another
+
     def resident(original: Callable[..., Any]) -> Callable[..., Any]:
         """``original`` (a checkpoint save or load) run with every sub-group in RAM."""
 
         @functools.wraps(original)
         def run(*args: Any, **kwargs: Any) -> Any:
+            if depth[0]:
+                return original(*args, **kwargs)
+            depth[0] += 1
             _ensure_slots(state)
             all_in()
             try:
@@ -263,11 +274,15 @@ def _install_checkpoint(att: Any, opt: Any, state: SwapState) -> None:
             finally:
                 all_out()
                 _trim_slots(state)
+                depth[0] -= 1
 
         return run
 
     att.patch(engine, "_save_zero_checkpoint", resident, "DeepSpeedEngine")
     att.patch(engine, "_load_zero_checkpoint", resident, "DeepSpeedEngine")
+    # load_checkpoint(load_module_only=True / load_optimizer_states=False) refreshes the fp32
+    # masters from the loaded 16-bit weights instead (refresh_fp32_params goes through it too)
+    att.patch(engine.optimizer, "_restore_from_bit16_weights", resident, "DeepSpeedZeroOptimizer_Stage3")
 
 
 def _ensure_slots(state: SwapState) -> None:

@@ -354,13 +354,14 @@ def end_step(state: SwapState) -> None:
 
 def close(state: SwapState, restore: bool) -> None:
     """Bring every sub-group back into RAM when ``restore`` (detaching leaves a working CPU-offload
-    engine), then delete the swap files."""
-    try:
-        flush(state)
-        if restore:
-            _restore(state)
-    finally:
-        remove_folder(state.folder)
+    engine), then delete the swap files.
+
+    If the restore fails (a read error, a corrupt file) the files are left where they are: they
+    may hold the only copy of the sub-groups not yet brought back."""
+    flush(state)
+    if restore:
+        _restore(state)
+    remove_folder(state.folder)
 
 
 def _restore(state: SwapState) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from zerohooks.adapter import attach
+from zerohooks.adapter import attach, detach
 from zerohooks.config import load_config, split_plugin_sections
 from zerohooks.errors import ConfigError
 from zerohooks.hookspec import SetupContext
@@ -90,20 +90,42 @@ def initialize(*args: Any, plugins: Sequence[ZeroPlugin] = (), **kwargs: Any) ->
         p.attach(registry, ctx)
     if params.get("model") is not None:
         params["model"] = registry.run_prepare_model(params["model"], ctx)
-    if params.get("model_parameters") is not None and registry.prepare_parameters.frozen:
-        params["model_parameters"] = registry.run_prepare_parameters(
-            params["model_parameters"], params.get("model"), ctx
-        )
     client = params.get("optimizer")
-    if isinstance(client, torch.optim.Optimizer) and registry.prepare_parameters.frozen:
-        # an optimizer object: its param groups take the transform, in place (before any step)
-        groups = registry.run_prepare_parameters(list(client.param_groups), params.get("model"), ctx)
-        client.param_groups[:] = list(groups)
+    if registry.prepare_parameters.frozen:
+        model = params.get("model")
+        if (
+            params.get("model_parameters") is None
+            and model is not None
+            and not isinstance(client, torch.optim.Optimizer)
+        ):
+            # DeepSpeed would take model.parameters(): hand the hooks the same list
+            params["model_parameters"] = list(model.parameters())
+        if params.get("model_parameters") is not None:
+            params["model_parameters"] = registry.run_prepare_parameters(
+                params["model_parameters"], model, ctx
+            )
+        if isinstance(client, torch.optim.Optimizer):
+            # an optimizer object: its param groups take the transform, in place (before any step)
+            before = len(client.param_groups)
+            groups = list(registry.run_prepare_parameters(list(client.param_groups), model, ctx))
+            scheduler = params.get("lr_scheduler")
+            if len(groups) != before and scheduler is not None and not callable(scheduler):
+                raise ConfigError(
+                    f"the plugins split the optimizer's {before} param groups into {len(groups)}, but an "
+                    "lr_scheduler object built on the old groups was passed; pass a callable "
+                    "(lr_scheduler=lambda opt: ...) or build the scheduler from the optimizer returned by "
+                    "zerohooks.initialize"
+                )
+            client.param_groups[:] = groups
     if source is not None:
         params["config"] = ds_config
     result = deepspeed.initialize(*bound.args, **bound.kwargs)
     engine = result[0]
     attach(engine, registry, ctx, enabled)
-    for p in enabled:
-        p.engine_ready(engine, registry)
+    try:
+        for p in enabled:
+            p.engine_ready(engine, registry)
+    except BaseException:
+        detach(engine)  # undo every patch and let each plugin release what it made (files, buffers)
+        raise
     return result

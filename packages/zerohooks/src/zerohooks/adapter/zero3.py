@@ -191,14 +191,16 @@ def _install_gather_dtypes(att: Attachment, opt: Any) -> None:
     require_attr(partition_parameters, "get_allgather_dtype", "deepspeed.runtime.zero.partition_parameters")
     dtypes = _GatherDtypes()
     att.keep_handle(dtypes)
-    for group in opt.fp16_groups:
-        for p in group:
-            own = p.ds_tensor.dtype
-            dtype = own
-            for fn in hooks:
-                dtype = fn(p, dtype)
-            if dtype != own:
-                dtypes.set(p, dtype)
+    # every partitioned parameter of the module, frozen ones included (they are gathered too)
+    for p in att.engine.module.parameters():
+        if not hasattr(p, "ds_tensor"):
+            continue
+        own = p.ds_tensor.dtype
+        dtype = own
+        for fn in hooks:
+            dtype = fn(p, dtype)
+        if dtype != own:
+            dtypes.set(p, dtype)
 
 
 def install(att: Attachment) -> None:
