@@ -202,9 +202,10 @@ def _worker(rank: int, world: int, port: int, backend: str, args: tuple[Any, ...
         else:
             torch.cuda.set_device(rank)
         import deepspeed
-        import deepspeed.ops
 
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # inference-only op
+        from zerohooks._compat import skip_deepspeed_shm_op
+
+        skip_deepspeed_shm_op()  # inference-only op
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
         out = _run_interleaved(*args[1:]) if args[0] == "interleaved" else _run_case(*args)
         q.put((rank, out))

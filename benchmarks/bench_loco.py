@@ -43,12 +43,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def _skip_shm() -> None:
-    try:  # DeepSpeed's CPU shared-memory op is for inference only (as the demo does)
-        import deepspeed.ops
+    from zerohooks._compat import skip_deepspeed_shm_op  # inference-only op (as the demo does)
 
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    except Exception:
-        pass
+    skip_deepspeed_shm_op()
 
 
 def _ds_config(stage: int, steps: int, micro_batch: int, loco: dict[str, Any] | None) -> dict[str, Any]:

@@ -453,17 +453,11 @@ def quiet_deepspeed() -> None:
 
 
 def skip_shm_build() -> None:
-    """Do not JIT-build DeepSpeed's shared-memory comm op on CPU (about a minute of C++).
+    """Do not JIT-build DeepSpeed's shared-memory comm op on CPU (about a minute of C++; only
+    DeepSpeed's inference all-reduce uses it)."""
+    from zerohooks._compat import skip_deepspeed_shm_op
 
-    DeepSpeed builds it at ``init_distributed`` but only uses it for inference all-reduce;
-    training collectives go through torch.distributed (gloo) either way.
-    """
-    try:
-        import deepspeed.ops
-
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    except Exception:  # a DeepSpeed without this table: let it do what it does
-        pass
+    skip_deepspeed_shm_op()
 
 
 def worker(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ from packaging.version import Version
 
 from zerohooks.errors import DeepSpeedInternalMissing, UnsupportedDeepSpeedError
 
-__all__ = ["SUPPORTED_DEEPSPEED", "check_deepspeed_version", "require_attr"]
+__all__ = ["SUPPORTED_DEEPSPEED", "check_deepspeed_version", "require_attr", "skip_deepspeed_shm_op"]
 
 SUPPORTED_DEEPSPEED = SpecifierSet(">=0.19.0,<0.20")
 """DeepSpeed releases whose internals the adapter was written against and tested on."""
@@ -51,3 +51,20 @@ def require_attr(obj: Any, name: str, what: str | None = None) -> Any:
             f"zerohooks needs {owner}.{name}, which DeepSpeed {deepspeed.__version__} does not have "
             f"(zerohooks supports DeepSpeed {SUPPORTED_DEEPSPEED})."
         ) from None
+
+
+def skip_deepspeed_shm_op() -> None:
+    """Tell DeepSpeed not to JIT-build its shared-memory comm op in this process.
+
+    On CPU, ``deepspeed.init_distributed`` compiles that op (a minute or more, and again for every
+    virtual environment) although only DeepSpeed's inference all-reduce uses it; training over
+    gloo never does.  DeepSpeed keeps its table of compatible ops as an editable module-level
+    dict; a DeepSpeed without that table is left to do what it does.  Call before
+    ``init_distributed`` (the test harness, the demo and the benchmarks do).
+    """
+    try:
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    except Exception:
+        pass

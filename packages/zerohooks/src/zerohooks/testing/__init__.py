@@ -69,18 +69,13 @@ def install_fp16_cpu_accelerator() -> None:
 
 
 def _skip_shm_op() -> None:
-    """Tell DeepSpeed not to JIT-build its shared-memory comm op in this rank.
-
-    On CPU, ``deepspeed.init_distributed`` compiles that op (a minute or more, and again for every
-    virtual environment) although only DeepSpeed's inference all-reduce uses it; training over
-    gloo never does.  DeepSpeed keeps its table of compatible ops as an editable module-level dict
-    for this purpose.  Set ``ZEROHOOKS_TEST_SHM_OP=1`` to build and load it anyway.
-    """
+    """:func:`zerohooks._compat.skip_deepspeed_shm_op` in this rank, unless
+    ``ZEROHOOKS_TEST_SHM_OP=1`` asks to build and load DeepSpeed's shared-memory op anyway."""
     if os.environ.get("ZEROHOOKS_TEST_SHM_OP") == "1":
         return
-    import deepspeed.ops
+    from zerohooks._compat import skip_deepspeed_shm_op
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    skip_deepspeed_shm_op()
 
 
 def _worker(
