@@ -1,0 +1,48 @@
+// Standalone driver of loco's CPU kernels (no torch): single-thread CPU time of each kernel on
+// 16 M elements, against memcpy of a 128 MiB buffer.  Build and run (see benchmarks/RESULTS.md):
+//   g++ -O3 -ffp-contract=off -fno-math-errno -fno-trapping-math -mavx2 -mf16c -std=c++17 \
+//       -I packages/loco/src/loco/csrc benchmarks/loco_kernels_driver.cpp -o /tmp/loco_driver
+//   /tmp/loco_driver
+// To compare with another version of the kernels, point -I at a folder holding that version's
+// loco_cpu.h, loco_cpu_recv.h (if it has one) and loco_common.h.
+#if __has_include("loco_cpu_recv.h")
+#include "loco_cpu_recv.h"
+#else
+#include "loco_cpu.h"
+#endif
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+#include <time.h>
+using namespace loco;
+static double cpu_now(){ timespec t; clock_gettime(CLOCK_THREAD_CPUTIME_ID,&t); return t.tv_sec+1e-9*t.tv_nsec; }
+struct Serial { template<class F> void operator()(int64_t n, F&& f) const { f(0, n); } };
+int main(){
+  const int64_t n = 1<<24, G=128;
+  std::vector<uint16_t> g(n); for(int64_t i=0;i<n;++i){ float v = (float)((rand()%20001)-10000)/977.f; uint32_t u; memcpy(&u,&v,4); g[i]=u>>16; }
+  std::vector<int8_t> e(n); for(auto& x:e) x=(rand()%255)-127;
+  std::vector<float> es(n/G, 0.001f);
+  std::vector<uint8_t> q(n/2); std::vector<float> s(n/G);
+  std::vector<uint8_t> rq(2*n/2); for(auto&x:rq) x=rand();
+  std::vector<float> rs(2*n/G, 0.01f);
+  std::vector<uint16_t> out(n);
+  std::vector<float> src(1<<25, 1.f), dst(1<<25);
+  ErrBuf eb{kErrInt8, e.data(), es.data()};
+  Dest d{q.data(), 0, 0, s.data(), 0, 0, 1}; // single row
+  d.q_stride0 = n/2; d.s_stride0 = n/G; d.q_stride1=0; d.s_stride1=0;
+  Rows rows{rq.data(), n/2, rs.data(), n/G, 2};
+  auto best=[&](auto fn){ double b=1e9; for(int r=0;r<5;++r){ double t=cpu_now(); fn(); b=std::min(b,cpu_now()-t);} return b; };
+  double tc = best([&]{ memcpy(dst.data(), src.data(), 4*src.size()); });
+  double copy_bw = 2.0*4*src.size()/tc;
+  double sb = 4.0*n/G;
+  double tq = best([&]{ cpu::quantize_ef<kBF16,4>(Serial{}, g.data(), n, n, n, 1, G, 0.8f, 0.2f, d, eb); });
+  double mq = n*2 + (n+sb)*2 + n/2 + sb;
+  double tr = best([&]{ cpu::dequant_reduce_requant<4>(Serial{}, rows, n, G, 0.8f, 0.2f, n/G, d, eb); });
+  double mr = 2*(n/2+sb) + (n+sb)*2 + n/2 + sb;
+  double td = best([&]{ cpu::dequant_reduce<kBF16,4>(Serial{}, rows, G, 2.0f, out.data(), n); });
+  double md = 2*(n/2+sb) + 2.0*n;
+  printf("copy %.2f GB/s\nquantize_ef %.2f GB/s frac %.2f  (%.2f ns/elem)\ndrr %.2f GB/s frac %.2f (%.2f ns/elem)\ndr %.2f GB/s frac %.2f (%.2f ns/elem)\n",
+    copy_bw/1e9, mq/tq/1e9, mq/tq/copy_bw, tq/n*1e9, mr/tr/1e9, mr/tr/copy_bw, tr/n*1e9, md/td/1e9, md/td/copy_bw, td/n*1e9);
+}
