@@ -11,7 +11,11 @@
 // The loops are plain C++ the compiler vectorizes, with AVX2 intrinsic versions of the hot ones
 // (the portable loops spend most of their time narrowing int32 lanes to bytes).  Both do the same
 // float32 operations: -ffp-contract=off keeps every multiply and add separately rounded, as in
-// loco/reference.py, so the results are bitwise the reference's.
+// loco/reference.py, so the results are bitwise the reference's.  The AVX2 path saves
+// instructions where that changes no bit: 4-bit bytes are built from the rounded codes in exact
+// float arithmetic (an add and a multiply-add on integers below 2^24, then one integer subtract),
+// not by converting both codes to int32 and shifting; int8 error codes come from one vcvtps2dq
+// (round to nearest even in the default MXCSR mode) instead of a vroundps and a conversion.
 #pragma once
 
 #include <stdint.h>
