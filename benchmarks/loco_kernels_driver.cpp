@@ -1,6 +1,6 @@
 // Standalone driver of loco's CPU kernels (no torch): single-thread CPU time of each kernel on
 // 16 M elements, against memcpy of a 128 MiB buffer.  Build and run (see benchmarks/RESULTS.md):
-//   g++ -O3 -ffp-contract=off -fno-math-errno -fno-trapping-math -mavx2 -mf16c -std=c++17 \
+//   g++ -O3 -ffp-contract=off -fno-math-errno -fno-trapping-math -mavx2 -mfma -mf16c -std=c++17 \
 //       -I packages/loco/src/loco/csrc benchmarks/loco_kernels_driver.cpp -o /tmp/loco_driver
 //   /tmp/loco_driver
 // To compare with another version of the kernels, point -I at a folder holding that version's

@@ -53,7 +53,7 @@ def _cpu_tag() -> str:
 def cpu_build_flags() -> list[str]:
     """Compiler flags of the CPU kernels: vector ISA of this CPU, OpenMP, no FMA contraction."""
     isa = {
-        "avx2": ["-mavx2", "-mf16c"],
+        "avx2": ["-mavx2", "-mfma", "-mf16c"],
         "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mf16c"],
     }.get(_cpu_tag(), [])
     # -ffp-contract=off: no fused multiply-add, so the kernels are bitwise equal to the reference

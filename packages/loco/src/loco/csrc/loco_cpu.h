@@ -11,7 +11,11 @@
 // The loops are plain C++ the compiler vectorizes, with AVX2 intrinsic versions of the hot ones
 // (the portable loops spend most of their time narrowing int32 lanes to bytes).  Both do the same
 // float32 operations: -ffp-contract=off keeps every multiply and add separately rounded, as in
-// loco/reference.py, so the results are bitwise the reference's.
+// loco/reference.py, so the results are bitwise the reference's.  The AVX2 path saves
+// instructions where that changes no bit: 4-bit bytes are built from the rounded codes in exact
+// float arithmetic (an add and a multiply-add on integers below 2^24, then one integer subtract),
+// not by converting both codes to int32 and shifting; int8 error codes come from one vcvtps2dq
+// (round to nearest even in the default MXCSR mode) instead of a vroundps and a conversion.
 #pragma once
 
 #include <stdint.h>
@@ -268,11 +272,12 @@ inline void encode8(const float* __restrict v, uint32_t m, float inv, int64_t G,
     return;
   }
 #if LOCO_AVX2
+  // vcvtps2dq rounds in the MXCSR mode, round-to-nearest-even unless a caller changed it (torch
+  // never does): the same integer as round_even then a conversion, one instruction fewer
   const __m256 vi = _mm256_set1_ps(inv);
   for (int64_t i = 0; i < G; i += 32) {
     __m256i c[4];
-    for (int u = 0; u < 4; ++u)
-      c[u] = _mm256_cvtps_epi32(round_even(_mm256_mul_ps(_mm256_loadu_ps(v + i + 8 * u), vi)));
+    for (int u = 0; u < 4; ++u) c[u] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i + 8 * u), vi));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), narrow_i8(c[0], c[1], c[2], c[3]));
   }
 #else
@@ -289,7 +294,11 @@ inline uint32_t encode_codes(const float* __restrict x, const float* __restrict 
 #if LOCO_AVX2
   const __m256 vi = _mm256_set1_ps(inv), vs = _mm256_set1_ps(s), vb = _mm256_set1_ps(b),
                vo = _mm256_set1_ps(omb);
-  const __m256i absm = _mm256_set1_epi32(static_cast<int>(kAbsMask)), eight = _mm256_set1_epi32(8);
+  const __m256i absm = _mm256_set1_epi32(static_cast<int>(kAbsMask));
+  // 4-bit bytes in float arithmetic, exact (integers below 2^24): (c0 + (M + 136)) + 16 * c1 with
+  // M = 1.5 * 2^23 is M + (c0 + 8) + 16 * (c1 + 8), whose bits minus M's are the packed byte
+  const __m256 magic = _mm256_set1_ps(12582912.f + 136.f), sixteen = _mm256_set1_ps(16.f);
+  const __m256i mbits = _mm256_set1_epi32(0x4b400000);
   __m256i vmax = _mm256_setzero_si256();
   // 4-bit: 32 bytes per step, from elements [j, j+32) and [j+H, j+H+32); 8-bit: 32 elements
   const int64_t H = BITS == 4 ? G / 2 : G;
@@ -299,7 +308,6 @@ inline uint32_t encode_codes(const float* __restrict x, const float* __restrict 
       const int64_t i0 = j + 8 * u;
       const __m256 x0 = _mm256_loadu_ps(x + i0);
       const __m256 c0 = round_even(_mm256_mul_ps(x0, vi));
-      const __m256i k0 = _mm256_cvtps_epi32(c0);
       if (ef) {
         const __m256 r = _mm256_sub_ps(x0, _mm256_mul_ps(c0, vs));
         const __m256 e = _mm256_add_ps(_mm256_mul_ps(vb, _mm256_loadu_ps(ep + i0)), _mm256_mul_ps(vo, r));
@@ -310,16 +318,20 @@ inline uint32_t encode_codes(const float* __restrict x, const float* __restrict 
         const int64_t i1 = i0 + H;
         const __m256 x1 = _mm256_loadu_ps(x + i1);
         const __m256 c1 = round_even(_mm256_mul_ps(x1, vi));
-        const __m256i k1 = _mm256_cvtps_epi32(c1);
         if (ef) {
           const __m256 r = _mm256_sub_ps(x1, _mm256_mul_ps(c1, vs));
           const __m256 e = _mm256_add_ps(_mm256_mul_ps(vb, _mm256_loadu_ps(ep + i1)), _mm256_mul_ps(vo, r));
           _mm256_storeu_ps(en + i1, e);
           vmax = _mm256_max_epu32(vmax, _mm256_and_si256(_mm256_castps_si256(e), absm));
         }
-        w[u] = _mm256_or_si256(_mm256_add_epi32(k0, eight), _mm256_slli_epi32(_mm256_add_epi32(k1, eight), 4));
+#if defined(__FMA__)
+        const __m256 y = _mm256_fmadd_ps(c1, sixteen, _mm256_add_ps(c0, magic));  // exact: no rounding
+#else
+        const __m256 y = _mm256_add_ps(_mm256_mul_ps(c1, sixteen), _mm256_add_ps(c0, magic));
+#endif
+        w[u] = _mm256_sub_epi32(_mm256_castps_si256(y), mbits);
       } else {
-        w[u] = k0;
+        w[u] = _mm256_cvtps_epi32(c0);
       }
     }
     const __m256i bytes = BITS == 4 ? narrow_u8(w[0], w[1], w[2], w[3]) : narrow_i8(w[0], w[1], w[2], w[3]);

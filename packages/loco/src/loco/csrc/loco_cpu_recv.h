@@ -2,9 +2,9 @@
 // dequantize-reduce-requantize with error feedback).  Split from loco_cpu.h, whose sender-side
 // pieces (group loads, scales, encoding, the error buffer) they reuse; no torch headers.
 //
-// The 4-bit sums are kept in registers (reduce16_4bit): dequantize-reduce divides and stores
-// 16-bit outputs straight from them, dequantize-reduce-requantize adds the error to them before
-// the shared encode phase.  Rows are added in order from +0 with separately rounded float32
+// The 4-bit sums are kept in registers (reduce32_4bit): dequantize-reduce divides (multiplies
+// by 1/divisor when that is exact: powers of two) and stores 16-bit outputs straight from them,
+// dequantize-reduce-requantize adds the error to them before the shared encode phase.  Rows are added in order from +0 with separately rounded float32
 // multiplies and adds, as loco/reference.py does, so the results are bitwise the reference's.
 #pragma once
 
@@ -46,22 +46,24 @@ inline void reduce_group(const Rows& rows, int64_t gi, int64_t G, float* __restr
 }
 
 #if LOCO_AVX2
-// Sums over the S rows of deQ for 16 elements of 4-bit group gi: elements j..j+8 (low nibbles of
-// bytes j..j+8) into lo and j+H..j+H+8 (high nibbles) into hi, H = G/2.  Rows are added in order
-// starting from +0, with the same float32 multiply and add as reduce_group, kept in registers.
-inline void reduce16_4bit(const Rows& rows, int64_t gi, int64_t H, int64_t j, __m256& lo, __m256& hi) {
+// Sums over the S rows of deQ for 32 elements of 4-bit group gi: the low nibbles of bytes
+// j..j+16 (elements j..j+16) into lo[0], lo[1] and the high nibbles (elements j+H..j+H+16, H =
+// G/2) into hi[0], hi[1].  Rows are added in order starting from +0, with the same float32
+// multiply and add as reduce_group, kept in registers; one broadcast scale per row and 32 values.
+inline void reduce32_4bit(const Rows& rows, int64_t gi, int64_t H, int64_t j, __m256 lo[2], __m256 hi[2]) {
   const __m256i fifteen = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
-  lo = _mm256_setzero_ps();
-  hi = _mm256_setzero_ps();
+  lo[0] = lo[1] = hi[0] = hi[1] = _mm256_setzero_ps();
   const uint8_t* p = rows.q + gi * H + j;
   const float* f = rows.scale + gi;
   for (int64_t s = 0; s < rows.S; ++s, p += rows.q_stride, f += rows.s_stride) {
     const __m256 vf = _mm256_broadcast_ss(f);
-    const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m256 l = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(w, fifteen), eight));
-    const __m256 h = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(w, 4), eight));
-    lo = _mm256_add_ps(lo, _mm256_mul_ps(l, vf));
-    hi = _mm256_add_ps(hi, _mm256_mul_ps(h, vf));
+    for (int h = 0; h < 2; ++h) {
+      const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h)));
+      const __m256 l = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(w, fifteen), eight));
+      const __m256 u = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(w, 4), eight));
+      lo[h] = _mm256_add_ps(lo[h], _mm256_mul_ps(l, vf));
+      hi[h] = _mm256_add_ps(hi[h], _mm256_mul_ps(u, vf));
+    }
   }
 }
 
@@ -71,9 +73,8 @@ inline __m256i bf16_lanes(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(kAbsMask))),
-                                         _mm256_set1_epi32(static_cast<int>(kInfBits)));
-  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc0)), nan));
 }
 
 // x = sum over rows of deQ (4-bit group gi) + deQ(e), ep = deQ(e); returns the max bits of |x|
@@ -85,11 +86,11 @@ inline uint32_t fuse_reduce4(const Rows& rows, const ErrBuf& e, int64_t gi, int6
   const __m256 vs = _mm256_set1_ps(EK == kErrInt8 ? e.scale[gi] : 0.f);
   const int64_t H = G / 2;
   __m256i vmax = _mm256_setzero_si256();
-  for (int64_t j = 0; j < H; j += 8) {
-    __m256 v[2];
-    reduce16_4bit(rows, gi, H, j, v[0], v[1]);
-    for (int h = 0; h < 2; ++h) {
-      const int64_t i = j + h * H;
+  for (int64_t j = 0; j < H; j += 16) {
+    __m256 v[4];
+    reduce32_4bit(rows, gi, H, j, v, v + 2);
+    for (int h = 0; h < 4; ++h) {
+      const int64_t i = j + (h & 1) * 8 + (h >> 1) * H;
       if constexpr (EK != kErrNone) {
         const __m256 pe = err8<EK>(e, gi * G + i, vs);
         _mm256_storeu_ps(ep + i, pe);
@@ -111,20 +112,21 @@ inline uint32_t fuse_reduce4_any(const Rows& rows, const ErrBuf& e, int64_t gi, 
   }
 }
 
-// store 8 float32 values at element i of a float32 / bfloat16 / float16 array (as store_run)
+// store 16 float32 values (a then b) at element i of a float32 / bfloat16 / float16 array
 template <int DT>
-inline void store8(void* dst, int64_t i, __m256 v) {
+inline void store16(void* dst, int64_t i, __m256 a, __m256 b) {
   if constexpr (DT == kF32) {
-    _mm256_storeu_ps(static_cast<float*>(dst) + i, v);
+    _mm256_storeu_ps(static_cast<float*>(dst) + i, a);
+    _mm256_storeu_ps(static_cast<float*>(dst) + i + 8, b);
   } else {
-    __m128i h;
-    if constexpr (DT == kBF16) {
-      const __m256i b = bf16_lanes(v);
-      h = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+    __m256i h;
+    if constexpr (DT == kBF16) {  // one pack of both halves, then lanes back in order
+      h = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_lanes(a), bf16_lanes(b)), 0xd8);
     } else {
-      h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const int rc = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+      h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm256_cvtps_ph(a, rc)), _mm256_cvtps_ph(b, rc), 1);
     }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(dst) + i), h);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(dst) + i), h);
   }
 }
 #endif
@@ -171,24 +173,31 @@ void dequant_reduce_requant(For&& parallel, const Rows& rows, int64_t M, int64_t
   });
 }
 
+// 1/d when d is a power of two whose reciprocal is a normal float, else 0: then v * (1/d) is
+// exactly v / d for every float v (both are the correctly rounded v * 2^-k), and a multiply costs
+// a fraction of a division
+inline float exact_reciprocal(float d) {
+  const uint32_t u = bits_of(d), ex = (u >> 23) & 0xffu;
+  return (u & 0x7fffffu) == 0 && ex >= 1 && ex <= 253 ? 1.f / d : 0.f;
+}
+
 template <int DT, int BITS, typename For>
 void dequant_reduce(For&& parallel, const Rows& rows, int64_t G, float divisor, void* out, int64_t n_out) {
+  [[maybe_unused]] const float recip = exact_reciprocal(divisor);
   parallel((n_out + G - 1) / G, [&](int64_t begin, int64_t end) {
     alignas(64) float acc[kMaxGroup];
     for (int64_t gi = begin; gi < end; ++gi) {
 #if LOCO_AVX2
       if (BITS == 4 && (gi + 1) * G <= n_out) {  // whole group: sum, divide, convert, store
         const int64_t H = G / 2;
-        const __m256 vd = _mm256_set1_ps(divisor);
-        for (int64_t j = 0; j < H; j += 8) {
-          __m256 lo, hi;
-          reduce16_4bit(rows, gi, H, j, lo, hi);
-          if (divisor != 1.f) {
-            lo = _mm256_div_ps(lo, vd);
-            hi = _mm256_div_ps(hi, vd);
-          }
-          store8<DT>(out, gi * G + j, lo);
-          store8<DT>(out, gi * G + j + H, hi);
+        const __m256 vd = _mm256_set1_ps(divisor), vr = _mm256_set1_ps(recip);
+        for (int64_t j = 0; j < H; j += 16) {
+          __m256 v[4];  // elements j, j+8, j+H, j+H+8
+          reduce32_4bit(rows, gi, H, j, v, v + 2);
+          for (int h = 0; h < 4 && divisor != 1.f; ++h)
+            v[h] = recip != 0.f ? _mm256_mul_ps(v[h], vr) : _mm256_div_ps(v[h], vd);
+          store16<DT>(out, gi * G + j, v[0], v[1]);
+          store16<DT>(out, gi * G + j + H, v[2], v[3]);
         }
         continue;
       }
