@@ -7,8 +7,10 @@ the I/O engine's throughput against fio; 2 gloo ranks, bf16 model, ZeRO 3.
   or fetched from storage for the process) around each optimizer step and divides by the number
   of parameters in its partition.  DeepSpeed: ``offload_optimizer: {"device": "nvme"}`` with its
   libaio swapper; nvmeswap (default: fp32 master + 2 moments swapped) and nvmeswap RAM mode
-  (``keep_master_in_ram``: moments only).
-* Step time: the same three engines, built side by side in each rank, each step timed in
+  (``keep_master_in_ram``: moments only), both with the fused Adam step (torch's AdamW, the
+  default ``fused_adam: "auto"``), and nvmeswap with ``fused_adam: false`` (DeepSpeed's step on an
+  fp32 gradient built from the 16-bit partition).
+* Step time: the same four engines, built side by side in each rank, each step timed in
   interleaved rounds (the order rotates) after two warm-up steps.  nvmeswap's last writes are
   asynchronous; the timed step includes waiting for them (so no byte is counted to the wrong
   engine, and nvmeswap gets no credit for overlapping them with the next forward pass).  Micro-batch 2, one
@@ -38,7 +40,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(__file__).resolve().parent / "out"
-VARIANTS = ("deepspeed", "nvmeswap", "nvmeswap_ram")
+VARIANTS = ("deepspeed", "nvmeswap", "nvmeswap_ram", "nvmeswap_unfused")
 
 
 def _proc_io() -> tuple[int, int]:
@@ -72,6 +74,8 @@ def _config(folder: str, variant: str, sub_group: int) -> dict[str, Any]:
     if variant != "deepspeed":
         # the same sub-groups on disk as DeepSpeed's swapper (it keeps those under 1 MiB in RAM)
         cfg["nvmeswap"] = {"min_swap_numel": 262_144, "keep_master_in_ram": variant == "nvmeswap_ram"}
+        if variant == "nvmeswap_unfused":  # DeepSpeed's step on a built fp32 gradient
+            cfg["nvmeswap"]["fused_adam"] = False
     return cfg
 
 
@@ -125,7 +129,7 @@ def _rank_main(args: dict[str, Any]) -> dict[str, Any]:
             step(engines[v], s)
     res: dict[str, dict[str, list[float]]] = {v: {"t": [], "r": [], "w": []} for v in VARIANTS}
     for k in range(args["rounds"]):
-        order = VARIANTS[k % 3 :] + VARIANTS[: k % 3]
+        order = VARIANTS[k % len(VARIANTS) :] + VARIANTS[: k % len(VARIANTS)]
         for v in order:
             t, r, w = step(engines[v], 2 + k)
             res[v]["t"].append(t)
@@ -195,12 +199,55 @@ def _plot(payload: dict[str, Any], path: Path) -> None:
     a.set_xticks(list(xs), ["DeepSpeed nvme", "nvmeswap", "nvmeswap RAM mode"])
     a.set_ylabel("disk bytes per parameter per step (/proc/self/io)")
     a.legend()
-    b.bar(list(xs), [s[v]["step_ms"] for v in VARIANTS], color=["gray", "C0", "C1"])
+    b.bar(list(xs), [s[v]["step_ms"] for v in VARIANTS], color=["gray", "C0", "C1", "C2"])
     b.set_xticks(list(xs), ["DeepSpeed nvme", "nvmeswap", "nvmeswap RAM mode"])
     b.set_ylabel("median step time (ms)")
     fig.suptitle(f"ZeRO-3 NVMe optimizer offload, {payload['params'] / 1e6:.1f} M params, 2 ranks")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _adam_kernels(numel: int, rounds: int = 9) -> dict[str, Any]:
+    """One sub-group's optimizer step, in this process: the fused kernel reading a bf16 gradient
+    against what runs unfused (the bf16 partition copied into an fp32 buffer, then torch's AdamW
+    step), interleaved rounds, medians; both bitwise equal (checked here too)."""
+    from nvmeswap import adam
+
+    if not adam.supported():
+        sys.exit(f"the fused Adam kernel did not build: {adam.build_error()}")
+    gen = torch.Generator().manual_seed(0)
+    g16 = torch.randn(numel, generator=gen).to(torch.bfloat16)
+    p0 = torch.randn(numel, generator=gen)
+    fused = [p0.clone(), torch.zeros(numel), torch.zeros(numel)]
+    q = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.AdamW([q], lr=1e-3, weight_decay=0.01)
+    scratch = torch.empty(numel)
+    times: dict[str, list[float]] = {"fused": [], "unfused": []}
+    for k in range(rounds + 1):
+        t0 = time.perf_counter()
+        adam.adam_step_(*fused, g16, 1.0, adam.AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, float(k + 1)))
+        t1 = time.perf_counter()
+        scratch.copy_(g16)
+        q.grad = scratch
+        opt.step()
+        t2 = time.perf_counter()
+        if k:  # the first round creates torch's state
+            times["fused"].append(t1 - t0)
+            times["unfused"].append(t2 - t1)
+    st = opt.state[q]
+    equal = all(
+        torch.equal(a, b) for a, b in zip(fused, (q.data, st["exp_avg"], st["exp_avg_sq"]), strict=True)
+    )
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "numel": numel,
+        "threads": torch.get_num_threads(),
+        "fused_ms": round(1000 * med["fused"], 2),
+        "unfused_ms": round(1000 * med["unfused"], 2),
+        "ratio": round(med["fused"] / med["unfused"], 3),
+        "bitwise_equal": equal,
+        "fp32_gradient_buffer_bytes_saved": 4 * numel,
+    }
 
 
 def main() -> None:
@@ -261,6 +308,7 @@ def main() -> None:
             fio["ratio"] = {k: round(ours[k] / theirs[k], 3) for k in ours if theirs[k]}
         os.remove(path)
     shutil.rmtree(folder, ignore_errors=True)
+    kernel = _adam_kernels(args.sub_group)
     payload = {
         "params": sum(p.numel() for p in _model(args.layers, args.hidden).parameters()),
         "partition_numel_per_rank": [r["numel"] for r in ranks],
@@ -268,6 +316,7 @@ def main() -> None:
         "args": vars(args),
         "summary": summary,
         "engine_vs_fio": fio,
+        "adam_kernel": kernel,
         "raw": [r["results"] for r in ranks],
         "wall_s": round(time.time() - t0, 1),
     }
@@ -292,6 +341,11 @@ def main() -> None:
                 f"| {k} | {fio['engine_B_per_s'][k] / 1e6:.0f} | "
                 f"{'-' if theirs_k is None else f'{theirs_k / 1e6:.0f}'} | {fio.get('ratio', {}).get(k, '-')} |"
             )
+    print(
+        f"\nAdam step of one sub-group ({kernel['numel']} elements, {kernel['threads']} threads): fused "
+        f"{kernel['fused_ms']} ms vs bf16->fp32 copy + torch AdamW {kernel['unfused_ms']} ms "
+        f"(ratio {kernel['ratio']}, bitwise equal: {kernel['bitwise_equal']})"
+    )
     print(
         f"\n(wall time {payload['wall_s']} s; JSON in {OUT / 'nvmeswap.json'}, plot in {OUT / 'nvmeswap.png'})"
     )

@@ -138,7 +138,8 @@ def scenario_training(tmp: str) -> dict[str, Any]:
     oracle = (params16(ref), masters(ref), moments(ref))
     out["oracle_after_detach"] = train(ref, 1, first=3)
 
-    for mode, section in (("default", {}), ("ram", {"keep_master_in_ram": True})):
+    modes = (("default", {}), ("ram", {"keep_master_in_ram": True}), ("unfused", {"fused_adam": False}))
+    for mode, section in modes:
         folder = f"{tmp}/{mode}{rank}"
         eng = _build(config(folder, nvmeswap=section))
         st = _state(eng)
@@ -155,6 +156,8 @@ def scenario_training(tmp: str) -> dict[str, Any]:
         out[f"{mode}_step_bytes"] = (st.bytes_read - r0, st.bytes_written - w0)
         out[f"{mode}_proc_io"] = (b1[0] - b0[0], b1[1] - b0[1])
         out[f"{mode}_losses"] = losses
+        out[f"{mode}_fused_steps"] = st.fused_steps
+        out[f"{mode}_scratch"] = st.scratch.numel()  # the fp32 gradient buffer (0: never made)
         out[f"{mode}_equal"] = [
             all(torch.equal(a, b) for a, b in zip(x, y, strict=True))
             for x, y in zip(oracle, (params16(eng), masters(eng), moments(eng)), strict=True)
@@ -272,12 +275,20 @@ def scenario_variants(tmp: str) -> dict[str, Any]:
     """fp16 with dynamic loss scaling (skipped steps) and gradient clipping; the Python I/O engine."""
     rank = int(os.environ["RANK"])
     out: dict[str, Any] = {}
+    adam_l2 = {
+        "type": "Adam",
+        "params": {"lr": 1e-3, "torch_adam": True, "adam_w_mode": False, "weight_decay": 0.1},
+    }
     cases: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         "fp16_clip": ({"dtype": "fp16"}, {"gradient_clipping": 0.05}),
+        "fp16_clip_unfused": ({"dtype": "fp16"}, {"gradient_clipping": 0.05}),
+        "adam_l2": ({}, {"optimizer": adam_l2}),
         "python_engine": ({}, {}),
     }
     for name, (kw, extra) in cases.items():
         section = {"io_engine": "python"} if name == "python_engine" else {}
+        if name.endswith("_unfused"):
+            section = {"fused_adam": False}
         ref_cfg = _oracle_config(f"{tmp}/{name}_oracle{rank}", **kw)
         cfg = config(f"{tmp}/{name}{rank}", nvmeswap=section, **kw)
         ref_cfg.update(extra)
@@ -287,6 +298,15 @@ def scenario_variants(tmp: str) -> dict[str, Any]:
         out[name] = {"oracle": train(ref, 4), "nvmeswap": train(eng, 4)}
         out[name]["skipped"] = (ref.skipped_steps, eng.skipped_steps)
         out[name]["algorithm"] = _state(eng).algorithm
+        out[name]["fused_steps"] = _state(eng).fused_steps
+    # fused_adam: true with an optimizer the kernel cannot follow is refused when the engine is built
+    cfg = config(f"{tmp}/amsgrad{rank}", nvmeswap={"fused_adam": True})
+    cfg["optimizer"]["params"]["amsgrad"] = True
+    try:
+        _build(cfg)
+        out["amsgrad_error"] = None
+    except Exception as e:
+        out["amsgrad_error"] = f"{type(e).__name__}: {e}"
     return out
 
 

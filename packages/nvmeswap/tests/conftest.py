@@ -19,7 +19,17 @@ def native_engine() -> bool:
 
 
 @pytest.fixture(scope="session")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory, native_engine: bool) -> list[dict[str, Any]]:
+def fused_kernel() -> bool:
+    """Build the fused Adam kernel in the parent process (the ranks then load the cached build)."""
+    from nvmeswap import adam
+
+    return adam.supported()
+
+
+@pytest.fixture(scope="session")
+def two_ranks(
+    tmp_path_factory: pytest.TempPathFactory, native_engine: bool, fused_kernel: bool
+) -> list[dict[str, Any]]:
     """Every rank's results of every 2-rank scenario (run once per test session)."""
     tmp = str(tmp_path_factory.mktemp("nvmeswap"))
     # fp16_on_cpu: DeepSpeed's CPU accelerator accepts fp16 (changes nothing for bf16)

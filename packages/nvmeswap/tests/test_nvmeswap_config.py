@@ -50,7 +50,7 @@ def test_nvme_offload_becomes_cpu_offload_owned_by_nvmeswap() -> None:
         (lambda c: c.update(nvmeswap={"buffer_count": 1}), "buffer_count"),
         (lambda c: c.update(nvmeswap={"block_size": 5000}), "block_size"),
         (lambda c: c.update(nvmeswap={"io_engine": "libaio"}), "io_engine"),
-        (lambda c: c.update(nvmeswap={"fused_adam": True}), "not implemented"),
+        (lambda c: c.update(nvmeswap={"fused_adam": "yes please"}), "fused_adam"),
     ],
 )
 def test_bad_config_is_a_clear_error(mutate: Any, message: str) -> None:

@@ -25,13 +25,20 @@ def _expected_step_bytes(numels: list[int], segments: int) -> int:
     return sum(HEADER + segments * segment_bytes(n) for n in numels)
 
 
-@pytest.mark.parametrize("mode", ["default", "ram"])
-def test_bit_identical_to_deepspeed_offload(two_ranks: list[dict[str, Any]], mode: str) -> None:
+@pytest.mark.parametrize(("mode", "fused"), [("default", True), ("ram", True), ("unfused", False)])
+def test_bit_identical_to_deepspeed_offload(two_ranks: list[dict[str, Any]], mode: str, fused: bool) -> None:
+    """torch's AdamW is fused by default (the kernel reads the 16-bit partitions, no fp32
+    gradient buffer is made); ``fused_adam: false`` steps DeepSpeed's way on a built gradient.
+    Both equal DeepSpeed's own offload bit for bit."""
     for r in two_ranks:
         t = r["training"]
         assert t[f"{mode}_losses"] == t["oracle_losses"]
         params16, masters, moments = t[f"{mode}_equal"]
         assert params16 and masters and moments
+        if fused:  # every swapped sub-group, every step (3 steps)
+            assert t[f"{mode}_fused_steps"] == 3 * len(t[f"{mode}_numels"]) and t[f"{mode}_scratch"] == 0
+        else:
+            assert t[f"{mode}_fused_steps"] == 0 and t[f"{mode}_scratch"] >= max(t[f"{mode}_numels"])
 
 
 @pytest.mark.parametrize(("mode", "segments", "per_param"), [("default", 3, 12.0), ("ram", 2, 8.0)])
@@ -114,13 +121,30 @@ def test_checkpoint_consolidates_to_fp32(two_ranks: list[dict[str, Any]]) -> Non
     assert eq and all(eq)
 
 
-def test_fp16_loss_scaling_and_clipping(two_ranks: list[dict[str, Any]]) -> None:
-    """fp16: the loss scale and clipping factor apply to gradients built from 16-bit partitions,
-    and overflow-skipped steps (no sub-group swapped) leave nothing behind."""
+@pytest.mark.parametrize("case", ["fp16_clip", "fp16_clip_unfused"])
+def test_fp16_loss_scaling_and_clipping(two_ranks: list[dict[str, Any]], case: str) -> None:
+    """fp16: the loss scale and clipping factor apply to gradients read from 16-bit partitions
+    (fused) or built from them (unfused), and overflow-skipped steps (no sub-group swapped)
+    leave nothing behind."""
     for r in two_ranks:
-        v = r["variants"]["fp16_clip"]
+        v = r["variants"][case]
         assert v["nvmeswap"] == v["oracle"]
         assert v["skipped"][0] == v["skipped"][1]
+        assert (v["fused_steps"] > 0) == (case == "fp16_clip")
+
+
+def test_fused_adam_with_l2_weight_decay(two_ranks: list[dict[str, Any]]) -> None:
+    """torch.optim.Adam (L2 weight decay added to the gradient) fused, against DeepSpeed's offload."""
+    for r in two_ranks:
+        v = r["variants"]["adam_l2"]
+        assert v["nvmeswap"] == v["oracle"] and v["fused_steps"] > 0
+
+
+def test_fused_adam_true_refuses_an_optimizer_it_cannot_follow(two_ranks: list[dict[str, Any]]) -> None:
+    for r in two_ranks:
+        err = r["variants"]["amsgrad_error"]
+        assert err is not None and err.startswith("ConfigError")
+        assert "nvmeswap.fused_adam is true" in err and "'amsgrad'" in err
 
 
 def test_python_engine_trains_identically(two_ranks: list[dict[str, Any]]) -> None:

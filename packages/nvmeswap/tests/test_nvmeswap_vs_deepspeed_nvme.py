@@ -69,6 +69,9 @@ def _run(tmp: str) -> dict[str, Any]:
                 engine.step()
                 losses.append(float(loss))
         out[name] = (losses, masters(engine), moments(engine))
+        if section is not None:
+            att = zerohooks.attachment(engine)
+            out["fused_steps"] = next(p for p in att.plugins if p.name == "nvmeswap").state.fused_steps
         if name == "deepspeed":
             opt = engine.optimizer
             out["swapped"] = sum(opt._swappable_optimizer_subgroup(i) for i in range(len(opt.fp16_groups)))
@@ -78,10 +81,11 @@ def _run(tmp: str) -> dict[str, Any]:
         "masters_equal": all(torch.equal(a, b) for a, b in zip(ds[1], ns[1], strict=True)),
         "moments_equal": all(torch.equal(a, b) for a, b in zip(ds[2], ns[2], strict=True)),
         "swapped": out["swapped"],
+        "fused_steps": out["fused_steps"],
     }
 
 
-def test_bit_identical_to_deepspeed_nvme_offload(tmp_path, native_engine: bool) -> None:
+def test_bit_identical_to_deepspeed_nvme_offload(tmp_path, native_engine: bool, fused_kernel: bool) -> None:
     reason = _aio_ready()
     if reason is not None:
         pytest.skip(reason)
@@ -93,3 +97,4 @@ def test_bit_identical_to_deepspeed_nvme_offload(tmp_path, native_engine: bool) 
         ds_losses, ns_losses = r["losses"]
         assert ns_losses == ds_losses
         assert r["masters_equal"] and r["moments_equal"]
+        assert r["fused_steps"] > 0  # torch's AdamW: the fused kernel stepped the swapped sub-groups

@@ -33,15 +33,12 @@ class NvmeSwapConfig(PluginConfig):
     io_engine: Literal["auto", "native", "python"] = "auto"
     """``auto``: the C++ engine, or the pure-Python one (with a warning) if it cannot be built;
     ``native``: the C++ engine or an error; ``python``: the pure-Python engine."""
-    fused_adam: bool = False
-    """Reserved for the fused Adam step reading 16-bit gradients; must stay false (not implemented)."""
-
-    @pydantic.field_validator("fused_adam")
-    @classmethod
-    def _no_fused(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("the fused Adam step is not implemented in this version; remove fused_adam")
-        return v
+    fused_adam: bool | Literal["auto"] = "auto"
+    """Step swapped sub-groups with nvmeswap's fused Adam/AdamW kernel, which reads the 16-bit
+    gradient partitions directly (no fp32 gradient buffer; bitwise equal to the unfused step).
+    ``"auto"``: whenever the optimizer is ``torch.optim.Adam``/``AdamW`` in its default
+    single-tensor form (DeepSpeed's ``"torch_adam": true``), else the unfused step; ``true``: a
+    ConfigError for any other optimizer; ``false``: never."""
 
 
 def rewrite_offload(ds_config: dict[str, Any], cfg: NvmeSwapConfig) -> str:

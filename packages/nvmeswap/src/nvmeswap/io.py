@@ -94,19 +94,24 @@ def load_native() -> Any:
         return _native
 
 
-def load_native_distributed() -> Any:
-    """:func:`load_native` with local rank 0 building while the other ranks wait at a barrier."""
+def rank0_first(load: Any) -> Any:
+    """``load()`` on local rank 0 first while the other ranks wait at a barrier, then on them (a
+    JIT build then happens once per node; the others load the cached build)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return load_native()
+        return load()
     if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
-        mod = load_native()
+        out = load()
         dist.barrier()
-    else:
-        dist.barrier()
-        mod = load_native()
-    return mod
+        return out
+    dist.barrier()
+    return load()
+
+
+def load_native_distributed() -> Any:
+    """:func:`load_native`, built by local rank 0 while the other ranks wait."""
+    return rank0_first(load_native)
 
 
 def build_error() -> str | None:
@@ -226,18 +231,26 @@ class _Native:
 
     def __init__(self, mod: Any, threads: int, block_size: int) -> None:
         self._e = mod.Engine(threads, block_size)
+        self._held: list[torch.Tensor] = []
+        """The buffers of submitted requests: kept alive until ``wait()`` (the C++ side holds
+        raw pointers only, so that its threads never release a Python-owned tensor)."""
 
     def submit(self, kind: str, buffer: torch.Tensor, path: str, offset: int) -> bool:
         try:
-            return bool(self._e.submit(kind, buffer, path, offset))
+            direct = bool(self._e.submit(kind, buffer, path, offset))
         except RuntimeError as e:
             raise SwapIOError(str(e)) from None
+        self._held.append(buffer)
+        return direct
 
     def wait(self) -> None:
         try:
             self._e.wait()
         except RuntimeError as e:
             raise SwapIOError(str(e)) from None
+        finally:
+            if self._e.pending() == 0:
+                self._held.clear()
 
     def pending(self) -> int:
         return int(self._e.pending())

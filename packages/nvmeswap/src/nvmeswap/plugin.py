@@ -25,7 +25,7 @@ import torch
 from typing_extensions import override
 
 import zerohooks
-from nvmeswap import io, swapper
+from nvmeswap import adam, fused, io, swapper
 from nvmeswap.config import NvmeSwapConfig, rewrite_offload
 from nvmeswap.swapfile import SwapCorruptionError
 from nvmeswap.swapper import SwapState
@@ -47,6 +47,9 @@ _NEEDED = (
     "_get_fp32_grad_state_partition",
     "_get_fp32_opt_state_partition",
     "_constant_buffered_norm2",
+    "unscale_and_clip_grads",
+    "_optimizer_step",
+    "sub_group_to_group_id",
 )
 _SETTERS = ("set_fp32_grad_for_param", "set_local_grad_for_param")
 _PARAM_SETTERS = ("set_full_hp_param", "set_local_hp_param")
@@ -96,6 +99,7 @@ class NvmeSwapPlugin(ZeroPlugin):
                 "version is not supported (tested with 0.19.8)"
             )
         cfg = self.cfg
+        fuse = _fused_choice(cfg, opt)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         folder = os.path.join(self.base_folder, "nvmeswap", f"rank{rank:05d}")
         numels = opt.fp16_partitioned_groups_flat_numel
@@ -121,7 +125,7 @@ class NvmeSwapPlugin(ZeroPlugin):
             make_engine=make_engine,
             algorithm=1 if native else 2,
         )
-        _install(att, opt, state)
+        _install(att, opt, state, fuse)
         try:
             swapper.initialise(state)
         except BaseException:
@@ -157,8 +161,29 @@ class NvmeSwapPlugin(ZeroPlugin):
             self._atexit = None
 
 
-def _install(att: Any, opt: Any, state: SwapState) -> None:
-    """Per-instance patches of the ZeRO-3 optimizer (undone by ``zerohooks.detach``)."""
+def _fused_choice(cfg: NvmeSwapConfig, opt: Any) -> bool:
+    """Whether to install the fused Adam step (``fused_adam``), building its kernel (rank 0 first)."""
+    if cfg.fused_adam is False:
+        return False
+    why = fused.refusal(opt.optimizer)
+    if cfg.fused_adam is True:
+        if why is not None:
+            raise ConfigError(f'nvmeswap.fused_adam is true but {why}; set it to false or "auto"')
+        if not adam.load_distributed():
+            warnings.warn(
+                f"nvmeswap.fused_adam: the C++ kernel is not available ({adam.build_error()}); "
+                "the same step runs as torch operations, one parameter at a time",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    elif why is None:
+        adam.load_distributed()  # the fallback warns by itself
+    return True
+
+
+def _install(att: Any, opt: Any, state: SwapState, fuse: bool) -> None:
+    """Per-instance patches of the ZeRO-3 optimizer (undone by ``zerohooks.detach``); ``fuse``:
+    step swapped sub-groups with the fused Adam kernel whenever the optimizer allows it."""
     groups = state.groups
 
     def make_boundary(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -168,6 +193,13 @@ def _install(att: Any, opt: Any, state: SwapState) -> None:
             if i not in groups:
                 return original(param, grad_buffer, fp32_grads, fp32_offsets)
             opt.norm_for_param_grads[pid] = opt._constant_buffered_norm2(grad_buffer)
+            # On a GPU, DeepSpeed hands over a temporary device copy of the gradient partition it
+            # keeps in (pinned) CPU memory: record the persistent CPU partition instead, so no
+            # device memory is held until the step and the CPU step reads it where it lies.
+            persistent = state.grad_partitions.get(param.ds_id)
+            if persistent is not None and persistent.device != grad_buffer.device:
+                grad_buffer = persistent.narrow(0, 0, grad_buffer.numel())
+                state.needs_sync = True
             swapper.record_gradient(state, i, offset, grad_buffer)
             return None
 
@@ -178,7 +210,11 @@ def _install(att: Any, opt: Any, state: SwapState) -> None:
             if sub_group_id not in groups:
                 return original(sub_group_id, timer_names)
             swapper.swap_in(state, sub_group_id)
-            groups[sub_group_id].master.grad = swapper.build_gradient(state, sub_group_id)
+            if fuse and fused.refusal(opt.optimizer) is None:
+                state.fused.add(sub_group_id)  # the gradient is read by the fused step itself
+                swapper.sync_gradients(state)
+            else:
+                groups[sub_group_id].master.grad = swapper.build_gradient(state, sub_group_id)
             return None
 
         return prepare
@@ -192,6 +228,35 @@ def _install(att: Any, opt: Any, state: SwapState) -> None:
             return None
 
         return release
+
+    def make_unscale(original: Callable[..., Any]) -> Callable[..., Any]:
+        def unscale(sub_group_id: int, total_norm: Any) -> Any:
+            if sub_group_id not in state.fused:
+                return original(sub_group_id, total_norm)
+            # DeepSpeed's own unscale-and-clip, run on a one-element stand-in: the factor it
+            # multiplies by, rounded as it would round it, without an fp32 gradient buffer
+            flat = opt.fp32_partitioned_groups_flat
+            probe = torch.ones(1, dtype=torch.float32)
+            probe.grad = torch.ones(1, dtype=torch.float32)
+            saved, flat[sub_group_id] = flat[sub_group_id], probe
+            try:
+                original(sub_group_id, total_norm)
+            finally:
+                flat[sub_group_id] = saved
+            state.grad_scales[sub_group_id] = float(probe.grad[0])
+            return None
+
+        return unscale
+
+    def make_optimizer_step(original: Callable[..., Any]) -> Callable[..., Any]:
+        def optimizer_step(sub_group_id: int) -> Any:
+            if sub_group_id not in state.fused:
+                return original(sub_group_id)
+            group = opt.optimizer.param_groups[opt.sub_group_to_group_id[sub_group_id]]
+            fused.step(state, sub_group_id, opt.optimizer, group, state.grad_scales.pop(sub_group_id))
+            return None
+
+        return optimizer_step
 
     # DeepSpeed's get/set APIs (safe_get_full_fp32_param, safe_set_full_grad, ...) read the
     # sub-group's tensors directly under CPU offload: bring them in first, write them back after.
@@ -237,6 +302,9 @@ def _install(att: Any, opt: Any, state: SwapState) -> None:
     att.patch(opt, "_offload_grad_partition_at_boundary", make_boundary, _OPT)
     att.patch(opt, "_prepare_sub_group", make_prepare, _OPT)
     att.patch(opt, "_release_sub_group", make_release, _OPT)
+    if fuse:
+        att.patch(opt, "unscale_and_clip_grads", make_unscale, _OPT)
+        att.patch(opt, "_optimizer_step", make_optimizer_step, _OPT)
     att.patch(opt, "_get_fp32_grad_state_partition", make_get_grad, _OPT)
     att.patch(opt, "_get_fp32_opt_state_partition", make_get_state, _OPT)
     for name in _PARAM_SETTERS:

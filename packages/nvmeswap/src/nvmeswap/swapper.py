@@ -83,11 +83,15 @@ class SwapState:
         "capacity",
         "clock",
         "folder",
+        "fused",
+        "fused_steps",
         "grad_partitions",
         "grad_positions",
+        "grad_scales",
         "groups",
         "keep_master",
         "make_engine",
+        "needs_sync",
         "optimizer",
         "order",
         "overrides",
@@ -131,8 +135,9 @@ class SwapState:
         self.buffer_count = min(buffer_count, max(len(sub_groups), 1))
         self.slots = [Slot(self.capacity, make_engine()) for _ in range(self.buffer_count)]
         self.clock = 0
-        self.scratch = torch.empty(biggest, dtype=torch.float32)
-        """The fp32 gradient of the sub-group being stepped (one buffer, reused)."""
+        self.scratch = _EMPTY
+        """The fp32 gradient of the sub-group being stepped (one buffer, reused; made on first use,
+        never when every step is fused)."""
         self.pending_grads: dict[int, dict[int, torch.Tensor]] = {}
         """sub-group -> {offset: 16-bit gradient partition} recorded at the accumulation boundary."""
         self.overrides: dict[int, torch.Tensor] = {}
@@ -142,6 +147,14 @@ class SwapState:
         )
         self.grad_positions = optimizer.grad_position
         self.resident: set[int] = set()
+        self.fused: set[int] = set()
+        """Sub-groups whose step this window is the fused Adam kernel (decided when swapped in)."""
+        self.fused_steps = 0
+        """Sub-group steps taken by the fused kernel so far."""
+        self.grad_scales: dict[int, float] = {}
+        """sub-group -> DeepSpeed's unscale-and-clip factor, for the fused step."""
+        self.needs_sync = False
+        """A recorded gradient was copied from an accelerator asynchronously: synchronise first."""
         self.bytes_read = 0
         self.bytes_written = 0
 
@@ -337,6 +350,9 @@ def build_gradient(state: SwapState, index: int) -> torch.Tensor:
     override = state.overrides.get(index)
     if override is not None:
         return override
+    sync_gradients(state)
+    if state.scratch.numel() < g.numel:
+        state.scratch = torch.empty(max(x.numel for x in state.groups.values()), dtype=torch.float32)
     out = state.scratch[: g.numel]
     parts = state.pending_grads.get(index, {})
     if sum(t.numel() for t in parts.values()) != g.numel:
@@ -346,10 +362,21 @@ def build_gradient(state: SwapState, index: int) -> torch.Tensor:
     return out
 
 
+def sync_gradients(state: SwapState) -> None:
+    """Wait for the asynchronous device-to-host copies of the recorded gradients (GPU runs)."""
+    if state.needs_sync:
+        acc = getattr(torch, "accelerator", None)
+        if acc is not None and acc.is_available():
+            acc.synchronize()
+        state.needs_sync = False
+
+
 def end_step(state: SwapState) -> None:
     """After the optimizer step (or a skipped one): forget this window's gradients."""
     state.pending_grads.clear()
     state.overrides.clear()
+    state.fused.clear()
+    state.grad_scales.clear()
 
 
 def close(state: SwapState, restore: bool) -> None:

@@ -174,7 +174,16 @@ class Engine {
           std::lock_guard<std::mutex> eg(b.req->err_mu);
           err = b.req->error;
         }
-        b.req.reset();  // closes the file once its last block is done
+        // close the file once its last block is done; a write whose close fails (the data may
+        // not have reached the file: NFS, buffered fallback) is a failed write
+        const int fd = b.req->fd;
+        b.req->fd = -1;
+        if (fd >= 0 && ::close(fd) != 0 && b.req->kind == 'w' && err.empty()) {
+          const int e = errno;
+          err = "nvmeswap: closing '" + b.req->path + "' after writing failed: " + std::strerror(e) + " (errno " +
+                std::to_string(e) + ")";
+        }
+        b.req.reset();
         std::lock_guard<std::mutex> g(mu_);
         if (!err.empty()) errors_.push_back(err);
         --inflight_;
