@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -185,52 +183,16 @@ def _run_interleaved(stage: int, steps: int, warmup: int, micro_batch: int, mode
     return {"stage": stage, "times": {c: t[warmup:] for c, t in times.items()}}
 
 
-def _worker(rank: int, world: int, port: int, backend: str, args: tuple[Any, ...], q: Any) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-    )
-    try:
-        import torch
-
-        if backend == "gloo":
-            torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-        else:
-            torch.cuda.set_device(rank)
-        import deepspeed
-
-        from zerohooks._compat import skip_deepspeed_shm_op
-
-        skip_deepspeed_shm_op()  # inference-only op
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
-        out = _run_interleaved(*args[1:]) if args[0] == "interleaved" else _run_case(*args)
-        q.put((rank, out))
-    except BaseException as e:  # report and let the parent fail
-        import traceback
-
-        q.put((rank, {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}))
+def _rank_entry(*args: Any) -> Any:
+    return _run_interleaved(*args[1:]) if args[0] == "interleaved" else _run_case(*args)
 
 
 def launch(world: int, backend: str, *args: Any) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, world, port, backend, args, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    res = dict(q.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    for r, v in res.items():
-        if "error" in v:
-            raise RuntimeError(f"rank {r}: {v['error']}")
-    return res[0]
+    """Rank 0's result of one case on ``world`` ranks (gloo: the cores shared among the ranks)."""
+    from zerohooks.testing import run_distributed
+
+    threads = max(1, (os.cpu_count() or 2) // world) if backend == "gloo" else 1
+    return run_distributed(_rank_entry, world, args=args, timeout=1800, backend=backend, threads=threads)[0]
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:

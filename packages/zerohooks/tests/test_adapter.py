@@ -136,6 +136,16 @@ def _rank_times_ten() -> int:
     return int(os.environ["RANK"]) * 10
 
 
+def _backend_and_threads() -> tuple[str, int]:
+    return torch.distributed.get_backend(), torch.get_num_threads()
+
+
+def test_harness_backend_and_threads() -> None:
+    assert run_distributed(_backend_and_threads, 2, timeout=120, threads=2) == [("gloo", 2)] * 2
+    with pytest.raises(ValueError, match=r'backend must be "gloo" or "nccl", got \'mpi\''):
+        run_distributed(_rank_times_ten, 2, backend="mpi")
+
+
 @pytest.mark.multirank
 @distributed(world_size=2)
 def test_config_from_json_path_and_from_args(tmp_path) -> None:

@@ -23,9 +23,16 @@ __all__ = ["refusal", "step"]
 _FLAGS_OFF = ("amsgrad", "maximize", "capturable", "differentiable", "foreach", "fused")
 
 
-def refusal(optimizer: Any) -> str | None:
-    """Why ``optimizer`` (the torch optimizer inside DeepSpeed's ZeRO-3 wrapper) cannot be fused,
-    or None when it can."""
+def refusal(optimizer: Any, zero: Any = None) -> str | None:
+    """Why ``optimizer`` (the torch optimizer inside DeepSpeed's ZeRO-3 optimizer ``zero``) cannot
+    be fused, or None when it can."""
+    for attr, what in (
+        ("torch_autocast_gradscaler", "DeepSpeed's torch_autocast GradScaler steps the optimizer"),
+        ("zenflow", "DeepSpeed's ZenFlow steps the optimizer"),
+        ("use_muon", "DeepSpeed's Muon changes the gradients before the step"),
+    ):
+        if zero is not None and getattr(zero, attr, None):
+            return what
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         return (
             f"the optimizer is {type(optimizer).__module__}.{type(optimizer).__qualname__}; the fused step "

@@ -165,7 +165,7 @@ def _fused_choice(cfg: NvmeSwapConfig, opt: Any) -> bool:
     """Whether to install the fused Adam step (``fused_adam``), building its kernel (rank 0 first)."""
     if cfg.fused_adam is False:
         return False
-    why = fused.refusal(opt.optimizer)
+    why = fused.refusal(opt.optimizer, opt)
     if cfg.fused_adam is True:
         if why is not None:
             raise ConfigError(f'nvmeswap.fused_adam is true but {why}; set it to false or "auto"')
@@ -210,7 +210,7 @@ def _install(att: Any, opt: Any, state: SwapState, fuse: bool) -> None:
             if sub_group_id not in groups:
                 return original(sub_group_id, timer_names)
             swapper.swap_in(state, sub_group_id)
-            if fuse and fused.refusal(opt.optimizer) is None:
+            if fuse and fused.refusal(opt.optimizer, opt) is None:
                 state.fused.add(sub_group_id)  # the gradient is read by the fused step itself
                 swapper.sync_gradients(state)
             else:

@@ -12,6 +12,7 @@ every rank (as DeepSpeed's own ``DistributedTest`` does).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import multiprocessing as mp
@@ -78,6 +79,16 @@ def _skip_shm_op() -> None:
     skip_deepspeed_shm_op()
 
 
+@dataclasses.dataclass(frozen=True)
+class _RankOptions:
+    fp16: bool
+    """Install the CPU accelerator that accepts fp16."""
+    backend: str
+    """torch.distributed backend: gloo (CPU) or nccl (one GPU per rank)."""
+    threads: int
+    """torch intra-op threads per rank."""
+
+
 def _worker(
     target: Any,
     rank: int,
@@ -86,7 +97,7 @@ def _worker(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     results: Any,
-    fp16: bool,
+    opts: _RankOptions,
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -99,13 +110,15 @@ def _worker(
     try:
         import torch
 
-        torch.set_num_threads(1)
-        if fp16:
+        torch.set_num_threads(opts.threads)
+        if opts.backend == "nccl":
+            torch.cuda.set_device(rank)
+        if opts.fp16:
             install_fp16_cpu_accelerator()
         import deepspeed
 
         _skip_shm_op()
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        deepspeed.init_distributed(dist_backend=opts.backend, verbose=False)
         if isinstance(target, tuple):  # (module, qualname) of a @distributed test
             mod, name = target
             fn = getattr(importlib.import_module(mod), name).__wrapped__
@@ -133,19 +146,26 @@ def run_distributed(
     kwargs: dict[str, Any] | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     fp16_on_cpu: bool = False,
+    backend: str = "gloo",
+    threads: int = 1,
 ) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return results in rank order.
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return results in rank order.
 
     ``fn`` must be importable by name (module level).  Raises :class:`MultiRankError` with the
     failing rank's traceback, or naming the ranks that hung past ``timeout`` seconds.
+    ``backend``: ``"gloo"`` (CPU; tests) or ``"nccl"`` (rank ``r`` on GPU ``r``; benchmarks);
+    ``threads``: torch intra-op threads per rank.
     """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f'backend must be "gloo" or "nccl", got {backend!r}')
+    opts = _RankOptions(fp16_on_cpu, backend, max(1, threads))
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, rank, world_size, port, args, kwargs or {}, results, fp16_on_cpu),
+            args=(fn, rank, world_size, port, args, kwargs or {}, results, opts),
             name=f"zerohooks-rank{rank}",
         )
         for rank in range(world_size)
