@@ -21,6 +21,7 @@ from zerohooks import (
     SetupContext,
     StepContext,
     ZeroPlugin,
+    next_loss_scale,
 )
 from zerohooks.registry import HookRegistry
 
@@ -107,24 +108,6 @@ def _dynamic_loss_scaling(engine: Any) -> bool:
     return dynamic or getattr(engine, "torch_autocast_z0_gradscaler", None) is not None
 
 
-def _loss_scale(engine: Any) -> float | None:
-    """The engine's current loss scale (fp16; 1.0 for bf16/fp32 ZeRO), None when it has none."""
-    opt = getattr(engine, "optimizer", None)
-    # A scaler that lags cur_scale behind its update (autocastzero's) says what the next
-    # step's gradients will be scaled by; the error buffers must be expressed in that.
-    upcoming = getattr(getattr(opt, "loss_scaler", None), "next_scale", None)
-    if isinstance(upcoming, (int, float)):
-        return float(upcoming)
-    for name in ("cur_scale", "loss_scale"):
-        try:
-            value = getattr(opt, name, None)
-        except Exception:  # some optimizers raise from the property when not in fp16 mode
-            value = None
-        if isinstance(value, (int, float)):
-            return float(value)
-    return None
-
-
 def _node_size(config: LocoConfig, world: int) -> int:
     if config.node_size is not None:
         return config.node_size
@@ -195,7 +178,7 @@ class LocoPlugin(ZeroPlugin):
     def engine_ready(self, engine: Any, registry: HookRegistry) -> None:
         self.engine = engine
         self._check_skippable = True
-        self.state.loss_scale = _loss_scale(engine)
+        self.state.loss_scale = next_loss_scale(engine)
         self.reducer.names = {id(p): n for n, p in engine.module.named_parameters()}
         if not (dist.is_available() and dist.is_initialized()):
             return
@@ -246,7 +229,7 @@ class LocoPlugin(ZeroPlugin):
         return topo
 
     def _after_step(self, ctx: StepContext, skipped: bool) -> None:
-        after_step(self.state, skipped, _loss_scale(self.engine), ctx.global_step)
+        after_step(self.state, skipped, ctx.next_loss_scale, ctx.global_step)
 
     # -- checkpoint state ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import deepspeed as _deepspeed
 
 from zerohooks.__about__ import __version__
-from zerohooks._compat import SUPPORTED_DEEPSPEED, check_deepspeed_version
+from zerohooks._compat import SUPPORTED_DEEPSPEED, check_deepspeed_version, next_loss_scale
 
 check_deepspeed_version(_deepspeed.__version__)
 
@@ -55,4 +55,5 @@ __all__ = [
     "available_plugins",
     "detach",
     "initialize",
+    "next_loss_scale",
 ]

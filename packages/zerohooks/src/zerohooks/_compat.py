@@ -68,3 +68,21 @@ def skip_deepspeed_shm_op() -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     except Exception:
         pass
+
+
+def next_loss_scale(engine: Any) -> float | None:
+    """The scale the engine's next loss will be multiplied by (see
+    :attr:`zerohooks.StepContext.next_loss_scale`): a loss scaler's ``next_scale`` when it has
+    one, else the ZeRO optimizer's ``cur_scale`` / ``loss_scale``; None when it has neither."""
+    opt = getattr(engine, "optimizer", None)
+    upcoming = getattr(getattr(opt, "loss_scaler", None), "next_scale", None)
+    if isinstance(upcoming, (int, float)):
+        return float(upcoming)
+    for name in ("cur_scale", "loss_scale"):
+        try:
+            value = getattr(opt, name, None)
+        except Exception:  # some optimizers raise from the property outside fp16 mode
+            value = None
+        if isinstance(value, (int, float)):
+            return float(value)
+    return None

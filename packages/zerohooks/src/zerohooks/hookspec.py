@@ -88,6 +88,19 @@ class StepContext:
         """True while the current micro-step ends a gradient-accumulation window."""
         return bool(self.engine.is_gradient_accumulation_boundary())
 
+    @property
+    def next_loss_scale(self) -> float | None:
+        """The scale the next loss will be multiplied by (fp16 loss scaling; 1.0 under bf16/fp32
+        ZeRO optimizers), None when the engine's optimizer has none.
+
+        Plugins that keep state in loss-scaled units (error-feedback buffers) read it after a
+        step to rescale.  A loss scaler whose ``cur_scale`` lags behind its update (as
+        autocastzero's does, so that a step's gradients are unscaled by the scale they were
+        made with) exposes the upcoming value as ``next_scale``, which takes precedence."""
+        from zerohooks._compat import next_loss_scale
+
+        return next_loss_scale(self.engine)
+
 
 @dataclasses.dataclass
 class ReduceBucket:
