@@ -85,6 +85,7 @@ def test_fp16_overflow_reaches_after_step_as_skipped() -> None:
             plugins=[plugin],
         )
         rank = int(os.environ["RANK"])
+        deepspeed_scales = []
         for step in range(3):
             tokens = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(step + rank))
             loss = engine(tokens).float().pow(2).mean()
@@ -92,9 +93,13 @@ def test_fp16_overflow_reaches_after_step_as_skipped() -> None:
                 loss = loss * float("inf")  # overflow on every rank: the step must be skipped
             engine.backward(loss)
             engine.step()
+            deepspeed_scales.append(float(engine.optimizer.loss_scale))
         skipped = [e.data["skipped"] for e in plugin.phases("after_step")]
         assert skipped == [False, True, False], (stage, skipped)
         assert engine.skipped_steps == 1
+        # the scale after_step hooks see is the one DeepSpeed's optimizer reports after the step
+        scales = [e.data["next_loss_scale"] for e in plugin.phases("after_step")]
+        assert scales == deepspeed_scales and scales[0] > 1, (stage, scales, deepspeed_scales)
 
 
 def test_conflicting_precision_sections() -> None:

@@ -137,7 +137,7 @@ class RecordingPlugin(ZeroPlugin):
         self._record("before_step", ctx, is_boundary=ctx.is_boundary)
 
     def _after(self, ctx: StepContext, skipped: bool) -> None:
-        self._record("after_step", ctx, skipped=skipped)
+        self._record("after_step", ctx, skipped=skipped, next_loss_scale=ctx.next_loss_scale)
 
     def phases(self, phase: str) -> list[Event]:
         """Events of one phase, in order."""
