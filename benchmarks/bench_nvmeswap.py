@@ -17,8 +17,8 @@ the I/O engine's throughput against fio; 2 gloo ranks, bf16 model, ZeRO 3.
   micro-step per step, so the step is dominated by the optimizer-state I/O (I/O bound).
 * Engine vs fio: sequential O_DIRECT 1 MiB reads and writes of a 512 MiB file in the swap folder
   by nvmeswap's C++ engine (8 threads, 8 requests in flight) and by fio (libaio, iodepth 8) on
-  the same disk, the two alternated 7 times; the ratio is the median of the 7 pairs' ratios
-  (fio skipped when it is not installed).
+  the same disk, the two alternated 7 times (which goes first alternates too); the ratio is the
+  median of the 7 pairs' ratios (fio skipped when it is not installed).
 
 Writes benchmarks/out/nvmeswap.json and benchmarks/out/nvmeswap.png and prints markdown tables.
 """
@@ -302,10 +302,12 @@ def main() -> None:
         ours: dict[str, list[float]] = {"write": [], "read": []}
         theirs: dict[str, list[float]] = {"write": [], "read": []}
         have_fio = shutil.which("fio") is not None
-        for _ in range(7):
+        for r in range(7):
             for k in ("write", "read"):
+                if have_fio and r % 2:  # who goes first alternates too
+                    theirs[k].append(_fio(path, k, "512M") or 0.0)
                 ours[k].append(_engine_throughput(path, size, k[0]))
-                if have_fio:
+                if have_fio and not r % 2:
                     theirs[k].append(_fio(path, k, "512M") or 0.0)
         fio = {"engine_B_per_s": {k: max(v) for k, v in ours.items()}, "engine_runs": ours}
         if have_fio:

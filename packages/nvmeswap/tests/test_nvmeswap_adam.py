@@ -24,7 +24,9 @@ def impl(request: pytest.FixtureRequest, fused_kernel: bool) -> object:
     if request.param == "kernel":
         if not fused_kernel:
             pytest.fail(f"the fused Adam kernel did not build: {adam.build_error()}")
-        return lambda p, m, v, g, scale, h: torch.ops.nvmeswap.adam_step_(p, m, v, g, scale, *h.args())
+        return lambda p, m, v, g, scale, h: torch.ops.nvmeswap.adam_step_(
+            p, m, v, g, scale, *h.args(), adam.uses_fma()
+        )
     return adam.reference_adam_step_
 
 
@@ -103,7 +105,7 @@ def test_opcheck(fused_kernel: bool) -> None:
             torch.randn(5000, generator=gen) * 0.1,
             torch.rand(5000, generator=gen) * 0.01,
             torch.randn(5000, generator=gen).to(gdt),
-            0.5, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, 3.0,
+            0.5, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, 3.0, adam.uses_fma(),
         )  # fmt: skip
         torch.library.opcheck(torch.ops.nvmeswap.adam_step_.default, args)
 
@@ -112,7 +114,7 @@ def test_bad_arguments_are_clear_errors(fused_kernel: bool) -> None:
     if not fused_kernel:
         pytest.fail(f"the fused Adam kernel did not build: {adam.build_error()}")
     p, m, v = torch.zeros(10), torch.zeros(10), torch.zeros(10)
-    hyper = (1.0, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, 1.0)
+    hyper = (1.0, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, 1.0, True)
     with pytest.raises(RuntimeError, match="exp_avg has 9 elements, param has 10"):
         torch.ops.nvmeswap.adam_step_(p, torch.zeros(9), v, None, *hyper)
     with pytest.raises(RuntimeError, match="param must be a contiguous float32 CPU tensor, got Double"):
@@ -120,7 +122,43 @@ def test_bad_arguments_are_clear_errors(fused_kernel: bool) -> None:
     with pytest.raises(RuntimeError, match="grad must be bfloat16, float16 or float32, got Int"):
         torch.ops.nvmeswap.adam_step_(p, m, v, torch.zeros(10, dtype=torch.int32), *hyper)
     with pytest.raises(RuntimeError, match="step must be >= 1"):
-        torch.ops.nvmeswap.adam_step_(p, m, v, None, *hyper[:-1], 0.0)
+        torch.ops.nvmeswap.adam_step_(p, m, v, None, *hyper[:-2], 0.0, True)
+
+
+def test_portable_torch_kernels_are_matched_too(tmp_path) -> None:
+    """Under torch's portable kernels (ATEN_CPU_CAPABILITY=default: no fused multiply-adds) the
+    kernel is built without AVX2, finds that torch rounds each product, and matches it bitwise."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, itertools\n"
+        "from nvmeswap import adam\n"
+        "assert torch.backends.cpu.get_cpu_capability() == 'DEFAULT'\n"
+        "assert adam.supported(), adam.build_error()\n"
+        "assert not adam.uses_fma()\n"
+        "import test_nvmeswap_adam as t\n"
+        "impl = lambda p, m, v, g, s, h: torch.ops.nvmeswap.adam_step_(p, m, v, g, s, *h.args(), False)\n"
+        "for cls, gdt in itertools.product([torch.optim.AdamW, torch.optim.Adam], t.GRADS):\n"
+        "    assert t._compare(impl, cls, 20_001, gdt, 0.05, 0.9, 0.37, seed=5) == [0, 0, 0], (cls, gdt)\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_a_registered_step_hook_prevents_fusion() -> None:
+    """The fused step does not call optimizer.step(): an optimizer with step hooks is not fused."""
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])
+    handle = opt.register_step_pre_hook(lambda *a: None)
+    try:
+        assert "step hooks" in str(fused.refusal(opt))
+    finally:
+        handle.remove()
+    assert fused.refusal(opt) is None
 
 
 @pytest.mark.parametrize(

@@ -3,9 +3,12 @@
 :func:`adam_step_` updates an fp32 parameter slice and its two moments in place from a gradient
 slice in bf16, fp16 or fp32 (or none: a zero gradient), bitwise as ``torch.optim.Adam``/``AdamW``
 (single-tensor CPU step) would on ``grad.float() * grad_scale``.  The operator is
-``torch.ops.nvmeswap.adam_step_`` (schema in C++, a fake kernel here); when the C++ build fails a
-warning is issued once and :func:`reference_adam_step_`, the same arithmetic in torch operations,
-is used instead (it materialises the fp32 gradient of the slice it is given).
+``torch.ops.nvmeswap.adam_step_`` (schema in C++, a fake kernel here).  When it loads it is
+checked against torch's own Adam and AdamW, once with torch's fused multiply-adds (its AVX2 and
+AVX-512 kernels) and once without (its portable kernels), and used in the rounding that agrees.
+When the build fails, or neither agrees, a warning is issued once and
+:func:`reference_adam_step_`, the same arithmetic in torch operations, is used instead (it
+materialises the fp32 gradient of the slice it is given).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["AdamHyper", "adam_step_", "build_error", "load", "reference_adam_step_", "supported"]
+__all__ = ["AdamHyper", "adam_step_", "build_error", "load", "reference_adam_step_", "supported", "uses_fma"]
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 _lock = threading.Lock()
@@ -49,41 +52,107 @@ class AdamHyper:
         return (self.lr, self.beta1, self.beta2, self.eps, self.weight_decay, self.decoupled, self.step)
 
 
-_state: dict[str, Any] = {"tried": False, "ok": False, "error": None}
+_state: dict[str, Any] = {"tried": False, "ok": False, "error": None, "fma": True}
 
 
-def load() -> bool:
-    """Build and register the operator (once per process); False (with a warning) if it cannot."""
+def _simd_flags() -> tuple[str, list[str]]:
+    """Build name and flags: AVX2/FMA/F16C code where torch itself dispatches to AVX2 or AVX-512
+    kernels on this machine, portable code otherwise.  The name carries the choice, so a build
+    cache shared between different machines never hands one machine's instructions to another."""
+    cap = torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else "DEFAULT"
+    if cap.upper().startswith("AVX"):
+        return "nvmeswap_adam_avx2", ["-mavx2", "-mfma", "-mf16c"]
+    return "nvmeswap_adam_portable", []
+
+
+def _build() -> None:
+    from torch.utils.cpp_extension import load as jit_load
+
+    name, simd = _simd_flags()
+    jit_load(
+        name=name,
+        sources=[str(CSRC / "nvmeswap_adam.cpp")],
+        # -ffp-contract=off: every multiply and add rounded as torch's kernels round them
+        extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp", *simd],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=os.environ.get("NVMESWAP_VERBOSE_BUILD", "") not in ("", "0"),
+    )
+
+
+def _agrees_with_torch(fma: bool) -> bool:
+    """The kernel against torch's own Adam and AdamW on one odd-length slice (a block and a
+    tail), every gradient dtype, both lerp branches, both kinds of weight decay, a grad scale."""
+    n = 4097
+    gen = torch.Generator().manual_seed(0)
+    for gdt in (torch.bfloat16, torch.float16, torch.float32, None):
+        for cls, beta1 in ((torch.optim.AdamW, 0.9), (torch.optim.Adam, 0.3)):
+            p0 = torch.randn(n, generator=gen)
+            grads = [None if gdt is None else (torch.randn(n, generator=gen) * 3).to(gdt) for _ in range(2)]
+            q = torch.nn.Parameter(p0.clone())
+            opt = cls([q], lr=1e-2, betas=(beta1, 0.999), eps=1e-8, weight_decay=0.05)
+            p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+            for k, g in enumerate(grads):
+                q.grad = torch.zeros(n) if g is None else g.to(torch.float32, copy=True)
+                q.grad.mul_(0.37)
+                opt.step()
+                h = AdamHyper(1e-2, beta1, 0.999, 1e-8, 0.05, cls is torch.optim.AdamW, float(k + 1))
+                torch.ops.nvmeswap.adam_step_(p, m, v, g, 0.37, *h.args(), fma)
+            st = opt.state[q]
+            if not (
+                torch.equal(p, q.data) and torch.equal(m, st["exp_avg"]) and torch.equal(v, st["exp_avg_sq"])
+            ):
+                return False
+    return True
+
+
+def _fail(reason: str, warn: bool = True) -> None:
+    _state["ok"], _state["error"] = False, reason
+    if warn:
+        warnings.warn(
+            f"nvmeswap: the fused Adam kernel is not used ({reason.splitlines()[0][:300]}); the same "
+            "step runs as torch operations (bitwise the same, one fp32 gradient per parameter slice)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def load(build: bool = True) -> bool:
+    """Build and register the operator (once per process) and check it against torch's own
+    optimizer; False (with a warning) if it cannot be built or does not agree.  ``build=False``
+    gives up without trying (another rank of this machine tried and failed)."""
     with _lock:
         if _state["tried"]:
             return bool(_state["ok"])
         _state["tried"] = True
         if os.environ.get("NVMESWAP_ADAM", "") == "python":
-            _state["error"] = "disabled by NVMESWAP_ADAM=python"
+            _fail("disabled by NVMESWAP_ADAM=python", warn=False)
+            return False
+        if not build:
+            _fail("its build failed on local rank 0 of this machine")
             return False
         try:
-            from torch.utils.cpp_extension import load as jit_load
-
-            jit_load(
-                name="nvmeswap_adam",
-                sources=[str(CSRC / "nvmeswap_adam.cpp")],
-                # -march=native: the build is per machine (JIT); -ffp-contract=off keeps every
-                # multiply and add rounded as torch's kernels round them (see the C++ header)
-                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-                verbose=os.environ.get("NVMESWAP_VERBOSE_BUILD", "") not in ("", "0"),
-            )
-            _state["ok"] = True
+            _build()
         except Exception as e:  # no compiler, build or load error: fall back to torch operations
-            _state["error"] = f"{type(e).__name__}: {e}"
-            warnings.warn(
-                f"nvmeswap: could not build the fused Adam kernel ({str(_state['error']).splitlines()[0][:300]}); "
-                "using torch operations instead (same results, one fp32 gradient per parameter slice)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        return bool(_state["ok"])
+            _fail(f"build failed: {type(e).__name__}: {e}")
+            return False
+        # torch's AVX2/AVX-512 kernels fuse some multiply-adds, its portable ones do not: use the
+        # rounding this torch uses, or none if neither agrees bit for bit
+        for fma in (True, False):
+            if _agrees_with_torch(fma):
+                _state["ok"], _state["fma"] = True, fma
+                return True
+        _fail(
+            "it does not reproduce this torch's Adam/AdamW bit for bit (CPU capability "
+            f"{_simd_flags()[0]}, torch {torch.__version__})"
+        )
+        return False
+
+
+def uses_fma() -> bool:
+    """Whether the loaded kernel rounds as torch's AVX2/AVX-512 kernels (fused multiply-adds)
+    rather than as its portable ones (meaningful once :func:`load` returned True)."""
+    return bool(_state["fma"])
 
 
 def build_error() -> str | None:
@@ -92,7 +161,8 @@ def build_error() -> str | None:
 
 
 def load_distributed() -> bool:
-    """:func:`load`, built by local rank 0 while the other ranks wait."""
+    """:func:`load`, built by local rank 0 while the other ranks of its machine wait (and give up
+    without building when it failed)."""
     from nvmeswap.io import rank0_first
 
     return bool(rank0_first(load))
@@ -157,6 +227,8 @@ def adam_step_(
     """One Adam or AdamW step of a slice, in place, with the gradient ``grad * grad_scale`` (None:
     zero): the C++ operator, or the torch fallback."""
     if supported():
-        torch.ops.nvmeswap.adam_step_(param, exp_avg, exp_avg_sq, grad, float(grad_scale), *h.args())
+        torch.ops.nvmeswap.adam_step_(
+            param, exp_avg, exp_avg_sq, grad, float(grad_scale), *h.args(), _state["fma"]
+        )
     else:
         reference_adam_step_(param, exp_avg, exp_avg_sq, grad, grad_scale, h)

@@ -33,6 +33,16 @@ def refusal(optimizer: Any, zero: Any = None) -> str | None:
     ):
         if zero is not None and getattr(zero, attr, None):
             return what
+    import torch.optim.optimizer as base
+
+    hooks = [
+        getattr(optimizer, "_optimizer_step_pre_hooks", None),
+        getattr(optimizer, "_optimizer_step_post_hooks", None),
+        getattr(base, "_global_optimizer_pre_hooks", None),
+        getattr(base, "_global_optimizer_post_hooks", None),
+    ]
+    if any(hooks):
+        return "step hooks are registered on the optimizer (the fused step does not call optimizer.step())"
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         return (
             f"the optimizer is {type(optimizer).__module__}.{type(optimizer).__qualname__}; the fused step "
@@ -80,6 +90,13 @@ def step(state: SwapState, index: int, optimizer: Any, group: dict[str, Any], gr
     """Adam/AdamW on sub-group ``index`` (resident), gradient from the recorded 16-bit partitions
     times ``grad_scale`` (DeepSpeed's unscale-and-clip factor), the optimizer's state updated as
     torch's own step would update it."""
+    segments = _segments(state, index)
+    for _, _, g in segments:  # checked before anything changes: a refused slice changes nothing
+        if g is not None and g.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(
+                f"nvmeswap: a gradient partition of sub-group {index} is {g.dtype}; the fused "
+                "Adam step reads bfloat16, float16 or float32"
+            )
     master = state.groups[index].master
     st = optimizer.state[master]
     if len(st) == 0:  # torch's lazy state initialisation
@@ -93,5 +110,8 @@ def step(state: SwapState, index: int, optimizer: Any, group: dict[str, Any], gr
     decoupled = bool(group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW))
     h = adam.AdamHyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], decoupled, count)
     p, m, v = master.data, st["exp_avg"].data, st["exp_avg_sq"].data
-    for off, n, g in _segments(state, index):
+    # torch's LR schedulers check that optimizer.step() ran before them (they wrap it): it did,
+    # in effect, for this sub-group
+    optimizer._opt_called = True
+    for off, n, g in segments:
         adam.adam_step_(p.narrow(0, off, n), m.narrow(0, off, n), v.narrow(0, off, n), g, grad_scale, h)

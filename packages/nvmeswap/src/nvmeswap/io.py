@@ -63,8 +63,9 @@ class IOEngine(Protocol):
     def pending(self) -> int: ...
 
 
-def load_native() -> Any:
-    """Build (once per process) and return the C++ module, or None when it cannot be built."""
+def load_native(build: bool = True) -> Any:
+    """Build (once per process) and return the C++ module, or None when it cannot be built;
+    ``build=False`` gives up without trying (local rank 0 of this machine tried and failed)."""
     global _native, _error, _tried
     with _lock:
         if _tried:
@@ -72,6 +73,14 @@ def load_native() -> Any:
         _tried = True
         if os.environ.get("NVMESWAP_IO", "") == "python":
             _error = "disabled by NVMESWAP_IO=python"
+            return None
+        if not build:
+            _error = "its build failed on local rank 0 of this machine"
+            warnings.warn(
+                f"nvmeswap: the C++ I/O engine is not used ({_error}); using the pure-Python engine",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return None
         try:
             from torch.utils.cpp_extension import load
@@ -95,18 +104,24 @@ def load_native() -> Any:
 
 
 def rank0_first(load: Any) -> Any:
-    """``load()`` on local rank 0 first while the other ranks wait at a barrier, then on them (a
-    JIT build then happens once per node; the others load the cached build)."""
+    """``load()`` on local rank 0 of each machine first while the other ranks wait, then
+    ``load(build=ok)`` on them, ``ok`` saying whether their machine's local rank 0 succeeded (a
+    JIT build then happens once per machine, and a failed one is not retried by every rank)."""
+    import socket
+
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return load()
-    if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
-        out = load()
-        dist.barrier()
+    first = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
+    out = load() if first else None
+    host = socket.gethostname()
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (host, first, bool(out)))  # also the barrier
+    if first:
         return out
-    dist.barrier()
-    return load()
+    mine = [ok for h, is_first, ok in seen if h == host and is_first]
+    return load(build=mine[0] if mine else True)
 
 
 def load_native_distributed() -> Any:
@@ -236,12 +251,16 @@ class _Native:
         raw pointers only, so that its threads never release a Python-owned tensor)."""
 
     def submit(self, kind: str, buffer: torch.Tensor, path: str, offset: int) -> bool:
+        self._held.append(buffer)  # before the request exists: nothing can drop it in between
         try:
-            direct = bool(self._e.submit(kind, buffer, path, offset))
+            return bool(self._e.submit(kind, buffer, path, offset))
         except RuntimeError as e:
+            self._held.pop()  # nothing was queued
             raise SwapIOError(str(e)) from None
-        self._held.append(buffer)
-        return direct
+        except BaseException:
+            if self._e.pending() == 0:
+                self._held.pop()
+            raise
 
     def wait(self) -> None:
         try:

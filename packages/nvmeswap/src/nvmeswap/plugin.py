@@ -266,7 +266,8 @@ def _install(att: Any, opt: Any, state: SwapState, fuse: bool) -> None:
             if i not in groups:
                 return original(param, release_swap_buffers)
             if i not in state.overrides:  # the first access: the gradient as the step would see it
-                state.overrides[i] = swapper.build_gradient(state, i).clone()
+                numel = state.groups[i].numel
+                state.overrides[i] = swapper.build_gradient(state, i, torch.empty(numel, dtype=torch.float32))
             _, offset, numel = opt.grad_position[opt.get_param_id(param)]
             return state.overrides[i].narrow(0, offset, numel), i
 

@@ -342,18 +342,19 @@ def record_gradient(state: SwapState, index: int, offset: int, grad16: torch.Ten
     state.pending_grads.setdefault(index, {})[offset] = grad16
 
 
-def build_gradient(state: SwapState, index: int) -> torch.Tensor:
+def build_gradient(state: SwapState, index: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The fp32 gradient of sub-group ``index``: an override set through DeepSpeed's APIs, or the
     16-bit partitions recorded at the boundary converted on the fly (what DeepSpeed would have
-    converted, written and read back)."""
+    converted, written and read back), in ``out`` when given."""
     g = state.groups[index]
     override = state.overrides.get(index)
     if override is not None:
         return override
     sync_gradients(state)
-    if state.scratch.numel() < g.numel:
-        state.scratch = torch.empty(max(x.numel for x in state.groups.values()), dtype=torch.float32)
-    out = state.scratch[: g.numel]
+    if out is None:  # the step's gradient: the one reused buffer
+        if state.scratch.numel() < g.numel:
+            state.scratch = torch.empty(max(x.numel for x in state.groups.values()), dtype=torch.float32)
+        out = state.scratch[: g.numel]
     parts = state.pending_grads.get(index, {})
     if sum(t.numel() for t in parts.values()) != g.numel:
         out.zero_()  # parameters unused in this window contribute zero

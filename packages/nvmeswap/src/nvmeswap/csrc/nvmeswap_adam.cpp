@@ -12,8 +12,10 @@
 //   v  = fma(float(1-beta2) * g, g, v * beta2)    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, ...)
 //   d  = sqrt(v) / float(sqrt(bc2)) + eps         (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
 //   p  = p + (float(-step_size) * m) / d          param.addcdiv_(exp_avg, denom, value=-step_size)
-// with every multiply and add rounded as torch's kernels round them (the fma's are where torch's
-// vectorised kernels use one; -ffp-contract=off keeps the others separate).  The square root is
+// with every multiply and add rounded as torch's kernels round them: the fma's are where torch's
+// vectorised AVX2/AVX-512 kernels use one (``fma`` true); its portable DEFAULT kernels round the
+// product and the sum separately (``fma`` false); -ffp-contract=off keeps the others separate.
+// nvmeswap.adam picks ``fma`` by checking the kernel against torch's own optimizer when it loads.  The square root is
 // torch's own (at::sqrt_out on each block): torch's CPU sqrt is not always the IEEE one (MKL's
 // vector math), and matching it is what keeps the step bitwise.
 //
@@ -53,8 +55,19 @@ inline float grad_at(const G* g, int64_t i, float scale) {
   return static_cast<float>(g[i]) * scale;
 }
 
+// a*b + c as torch's kernels compute it: one rounding where its vectorised kernels use a fused
+// multiply-add (AVX2/AVX-512 builds), two where they do not (the portable DEFAULT build)
+template <bool FMA>
+inline float madd(float a, float b, float c) {
+  if constexpr (FMA) {
+    return std::fma(a, b, c);
+  } else {
+    return a * b + c;  // -ffp-contract=off: two roundings
+  }
+}
+
 // phase 1: gradient, weight decay, first and second moment (in place)
-template <typename G>
+template <typename G, bool FMA>
 void moments(float* __restrict p, float* __restrict m, float* __restrict v, const G* __restrict g,
              int64_t n, const Coeffs& c) {
   const float s = c.grad_scale, dec = c.decay, w = c.w, wm1 = c.w_m1, b2 = c.beta2, s2 = c.one_m_beta2;
@@ -66,10 +79,10 @@ void moments(float* __restrict p, float* __restrict m, float* __restrict v, cons
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     float gi = g ? grad_at(g, i, s) : 0.0f * s;
-    if (l2) gi = std::fma(p[i], dec, gi);
+    if (l2) gi = madd<FMA>(p[i], dec, gi);
     const float mi = m[i];
-    m[i] = std::fma(coef, gi - mi, small ? mi : gi);
-    v[i] = std::fma(s2 * gi, gi, v[i] * b2);
+    m[i] = madd<FMA>(coef, gi - mi, small ? mi : gi);
+    v[i] = madd<FMA>(s2 * gi, gi, v[i] * b2);
   }
 }
 
@@ -84,7 +97,7 @@ void update(float* __restrict p, const float* __restrict m, const float* __restr
   }
 }
 
-template <typename G>
+template <typename G, bool FMA>
 void run(float* p, float* m, float* v, const G* g, int64_t n, const Coeffs& c) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
@@ -92,13 +105,22 @@ void run(float* p, float* m, float* v, const G* g, int64_t n, const Coeffs& c) {
     const auto opts = at::TensorOptions().dtype(at::kFloat);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t off = b * kBlock, len = std::min(kBlock, n - off);
-      moments<G>(p + off, m + off, v + off, g ? g + off : nullptr, len, c);
+      moments<G, FMA>(p + off, m + off, v + off, g ? g + off : nullptr, len, c);
       at::Tensor src = at::from_blob(v + off, {len}, opts);
       at::Tensor dst = at::from_blob(root.data(), {len}, opts);
       at::sqrt_out(dst, src);  // torch's own sqrt, as exp_avg_sq.sqrt() computes it
       update(p + off, m + off, root.data(), len, c);
     }
   });
+}
+
+template <typename G>
+void run_any(float* p, float* m, float* v, const G* g, int64_t n, const Coeffs& c, bool fma) {
+  if (fma) {
+    run<G, true>(p, m, v, g, n, c);
+  } else {
+    run<G, false>(p, m, v, g, n, c);
+  }
 }
 
 void check_state(const at::Tensor& t, const char* name, int64_t n) {
@@ -110,7 +132,7 @@ void check_state(const at::Tensor& t, const char* name, int64_t n) {
 
 void adam_step_cpu(at::Tensor param, at::Tensor exp_avg, at::Tensor exp_avg_sq, const c10::optional<at::Tensor>& grad,
                    double grad_scale, double lr, double beta1, double beta2, double eps, double weight_decay,
-                   bool decoupled, double step) {
+                   bool decoupled, double step, bool fma) {
   const int64_t n = param.numel();
   check_state(param, "param", n);
   check_state(exp_avg, "exp_avg", n);
@@ -137,7 +159,7 @@ void adam_step_cpu(at::Tensor param, at::Tensor exp_avg, at::Tensor exp_avg_sq, 
   float* m = exp_avg.data_ptr<float>();
   float* v = exp_avg_sq.data_ptr<float>();
   if (!grad.has_value()) {
-    run<float>(p, m, v, nullptr, n, c);
+    run_any<float>(p, m, v, nullptr, n, c, fma);
     return;
   }
   const at::Tensor& g = *grad;
@@ -146,13 +168,13 @@ void adam_step_cpu(at::Tensor param, at::Tensor exp_avg, at::Tensor exp_avg_sq, 
               " on ", g.device());
   switch (g.scalar_type()) {
     case at::kBFloat16:
-      run<c10::BFloat16>(p, m, v, g.data_ptr<c10::BFloat16>(), n, c);
+      run_any<c10::BFloat16>(p, m, v, g.data_ptr<c10::BFloat16>(), n, c, fma);
       break;
     case at::kHalf:
-      run<c10::Half>(p, m, v, g.data_ptr<c10::Half>(), n, c);
+      run_any<c10::Half>(p, m, v, g.data_ptr<c10::Half>(), n, c, fma);
       break;
     case at::kFloat:
-      run<float>(p, m, v, g.data_ptr<float>(), n, c);
+      run_any<float>(p, m, v, g.data_ptr<float>(), n, c, fma);
       break;
     default:
       TORCH_CHECK(false, "nvmeswap::adam_step_: grad must be bfloat16, float16 or float32, got ", g.scalar_type());
@@ -164,7 +186,7 @@ void adam_step_cpu(at::Tensor param, at::Tensor exp_avg, at::Tensor exp_avg_sq, 
 TORCH_LIBRARY(nvmeswap, m) {
   m.def(
       "adam_step_(Tensor(a!) param, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor? grad, float grad_scale, "
-      "float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled, float step) -> ()");
+      "float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled, float step, bool fma) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(nvmeswap, CPU, m) { m.impl("adam_step_", &adam_step_cpu); }

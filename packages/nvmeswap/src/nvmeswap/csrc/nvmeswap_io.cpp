@@ -174,11 +174,12 @@ class Engine {
           std::lock_guard<std::mutex> eg(b.req->err_mu);
           err = b.req->error;
         }
-        // close the file once its last block is done; a write whose close fails (the data may
-        // not have reached the file: NFS, buffered fallback) is a failed write
+        // close the file once its last block is done; on network filesystems (NFS) a write
+        // error can surface only here, so a write whose close fails is a failed write (EINTR
+        // is not: Linux closes the descriptor anyway and the data was handed over)
         const int fd = b.req->fd;
         b.req->fd = -1;
-        if (fd >= 0 && ::close(fd) != 0 && b.req->kind == 'w' && err.empty()) {
+        if (fd >= 0 && ::close(fd) != 0 && errno != EINTR && b.req->kind == 'w' && err.empty()) {
           const int e = errno;
           err = "nvmeswap: closing '" + b.req->path + "' after writing failed: " + std::strerror(e) + " (errno " +
                 std::to_string(e) + ")";
