@@ -121,6 +121,9 @@ def scenario_bf16(stage: int) -> dict[str, Any]:
     out["numel"] = safe_numel(engine)
     if stage == 3:
         out["forward_weights"] = forward_weights_z3()
+        opt = engine.optimizer
+        out["bucket_numel"] = {str(dt): b.buffer.numel() for dt, b in opt.ipg_buckets.items()}
+        out["reduce_bucket_size"] = int(opt.reduce_bucket_size)
     if stage in (2, 3):
         off = build(stage, {"autocastzero": {"dtype": "bfloat16"}}, offload=True)
         out["offload_losses"] = train(off, STEPS, GAS)
@@ -128,6 +131,9 @@ def scenario_bf16(stage: int) -> dict[str, Any]:
 
     zerohooks.detach(engine)
     out["detached_forward"] = "forward" in vars(engine)
+    if stage == 3:  # DeepSpeed's own bucket back at full size: detached, it reduces everything in fp32
+        out["detached_losses"] = train(engine, 1, GAS, first=STEPS)
+        out["detached_bucket_numel"] = engine.optimizer.ipg_buckets[torch.float32].buffer.numel()
     fp32 = build(stage)
     out["fp32_losses"] = train(fp32, STEPS, GAS)
     out["fp32_bytes"] = counted_bytes(fp32)

@@ -78,6 +78,24 @@ def test_cpu_offload_matches(two_ranks: list[dict[str, Any]], stage: int) -> Non
         assert res["offload_losses"] == res["losses"]
 
 
+def test_zero3_bucket_buffers_sized_by_their_parameters(two_ranks: list[dict[str, Any]]) -> None:
+    """ZeRO 3: each communication dtype's gradient bucket holds at most its parameters' elements
+    (DeepSpeed would allocate reduce_bucket_size elements for each dtype), and detach gives
+    DeepSpeed its full-size fp32 bucket back, with which training goes on."""
+    import math
+
+    for rank in two_ranks:
+        res = rank["bf16_z3"]
+        safe, total = res["numel"]
+        limit = res["reduce_bucket_size"]
+        assert res["bucket_numel"] == {
+            "torch.bfloat16": min(limit, safe),
+            "torch.float32": min(limit, total - safe),
+        }
+        assert res["detached_bucket_numel"] == limit
+        assert all(math.isfinite(v) for v in res["detached_losses"])
+
+
 def test_detach_restores_forward(two_ranks: list[dict[str, Any]]) -> None:
     for rank in two_ranks:
         for stage in range(4):

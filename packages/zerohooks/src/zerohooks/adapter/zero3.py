@@ -13,25 +13,47 @@ from zerohooks._compat import require_attr
 from zerohooks.adapter.base import Attachment
 from zerohooks.errors import ConfigError
 from zerohooks.hookspec import ReduceBucket
+from zerohooks.registry import RemovableHandle
 
 _OPT = "DeepSpeedZeroOptimizer_Stage3"
 _MANGLE = "_DeepSpeedZeroOptimizer_Stage3__"
 
 
 def _ensure_buckets(att: Attachment, opt: Any) -> None:
-    """Create IPG buckets (with their contiguous buffers) for dtypes the hooks may choose."""
+    """One IPG bucket per communication dtype the hooks chose, each buffer sized for the
+    parameters reduced in that dtype.
+
+    DeepSpeed sizes every bucket's contiguous buffer at ``reduce_bucket_size`` elements; a bucket
+    holds at most the gradients of the distinct parameters reduced in its dtype (it is flushed
+    when full and at the end of each backward), so ``min(reduce_bucket_size, their numel)`` is
+    enough.  Without this a model whose parameters are split between two dtypes (autocastzero,
+    mixedlayers) would pay for two full-size buffers, most of one of them never used."""
     buckets = require_attr(opt, "ipg_buckets", _OPT)
     default = opt.communication_data_type
     bucket_cls = type(next(iter(buckets.values())))
     device = next(iter(buckets.values())).buffer.device if opt.contiguous_gradients else None
+    needed: dict[torch.dtype, int] = {}
     for group in opt.fp16_groups:
         for p in group:
             dtype = att.comm_dtype(p, default)
-            if dtype not in buckets:
-                bucket = bucket_cls()
-                if opt.contiguous_gradients:
-                    bucket.buffer = torch.empty(int(opt.reduce_bucket_size), dtype=dtype, device=device)
-                buckets[dtype] = bucket
+            needed[dtype] = needed.get(dtype, 0) + int(p.ds_numel)
+    for dtype in needed:
+        if dtype not in buckets:
+            buckets[dtype] = bucket_cls()
+    if not opt.contiguous_gradients:
+        return
+    limit = int(opt.reduce_bucket_size)
+    for dtype, bucket in buckets.items():
+        size = min(limit, needed.get(dtype, 0))
+        if bucket.buffer is None or (bucket.elements == 0 and bucket.buffer.numel() > size):
+            bucket.buffer = torch.empty(size, dtype=dtype, device=device)
+    original = buckets.get(default)
+
+    def restore() -> None:  # detached, every parameter is reduced in DeepSpeed's dtype again
+        if original is not None and original.buffer is not None and original.buffer.numel() < limit:
+            original.buffer = torch.empty(limit, dtype=default, device=device)
+
+    att.keep_handle(RemovableHandle(restore, "zerohooks: IPG bucket sizes"))
 
 
 def _install_grad_hooks(att: Attachment, opt: Any) -> None:
