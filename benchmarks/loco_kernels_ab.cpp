@@ -18,24 +18,19 @@
 #include <cstdlib>
 #include <vector>
 #include <time.h>
+#include "loco_kernels_inputs.h"
 namespace A {
 #include "base/loco_cpu_recv.h"
 }
 namespace B {
 #include "new/loco_cpu_recv.h"
 }
-static double cpu_now(){ timespec t; clock_gettime(CLOCK_THREAD_CPUTIME_ID,&t); return t.tv_sec+1e-9*t.tv_nsec; }
-struct Serial { template<class F> void operator()(int64_t n, F&& f) const { f(0, n); } };
 int main(int argc, char** argv){
   const int64_t n = argc > 1 ? atoll(argv[1]) : (1<<24), G=128; const int R = argc > 2 ? atoi(argv[2]) : 9;
   const float div = argc > 3 ? atof(argv[3]) : 2.f;
-  std::vector<uint16_t> g(n); for(int64_t i=0;i<n;++i){ float v = (float)((rand()%20001)-10000)/977.f; uint32_t u; memcpy(&u,&v,4); g[i]=u>>16; }
-  std::vector<int8_t> e(n); for(auto& x:e) x=(rand()%255)-127;
-  std::vector<float> es(n/G, 0.001f);
-  std::vector<uint8_t> q(n/2); std::vector<float> s(n/G);
-  std::vector<uint8_t> rq(2*n/2); for(auto&x:rq) x=rand();
-  std::vector<float> rs(2*n/G, 0.01f);
-  std::vector<uint16_t> out(n);
+  KernelInputs in(n, G);
+  auto& g = in.g; auto& e = in.e; auto& es = in.es; auto& q = in.q; auto& s = in.s;
+  auto& rq = in.rq; auto& rs = in.rs; auto& out = in.out;
   A::loco::ErrBuf ea{A::loco::kErrInt8, e.data(), es.data()}; B::loco::ErrBuf eb{B::loco::kErrInt8, e.data(), es.data()};
   A::loco::Dest da{q.data(), n/2, 0, s.data(), n/G, 0, 1}; B::loco::Dest db{q.data(), n/2, 0, s.data(), n/G, 0, 1};
   A::loco::Rows ra{rq.data(), n/2, rs.data(), n/G, 2}; B::loco::Rows rb{rq.data(), n/2, rs.data(), n/G, 2};
