@@ -1,6 +1,6 @@
 """LoCo benchmark: gradient bytes per step, kernel throughput, convergence on the demo LM.
 
-    python benchmarks/bench_loco.py                     # everything (about 15 min on 2 CPU cores)
+    python benchmarks/bench_loco.py                     # everything (about 35 min on 2 CPU cores)
     python benchmarks/bench_loco.py --only bytes,kernels
     python benchmarks/bench_loco.py --steps 300         # longer convergence runs
 
@@ -10,14 +10,19 @@
    bf16 collectives as counted by zerohooks (bytes handed to each collective) turned into bytes
    sent by a ring (all-reduce ``2(W-1)/W``, reduce-scatter ``(W-1)/W`` of the bytes handed).
    Also 4 ranks flat and two-level (2 nodes x 2) on ZeRO 3.
-2. **kernels**: the CPU kernels on 16M elements, bytes read and written per second, against a
-   STREAM-style copy (``torch`` ``copy_`` of a 128 MiB fp32 buffer, bytes read + written)
-   measured in the same run, interleaved, best of N, 1 thread and all threads.
+2. **kernels**: the CPU kernels on 16M elements, bytes read and written per second, against
+   STREAM's Copy kernel (benchmarks/stream_copy.c, built with gcc here: ``c[j] = a[j]`` over two
+   128 MiB double arrays, 16 bytes counted per element) and, as a stricter second bar, torch's
+   ``copy_`` of a 128 MiB fp32 buffer, all measured in the same run, interleaved, best of N,
+   1 thread and all threads.
 3. **convergence**: the demo GPT on the standard-library corpus (examples/data.py), 2 ranks,
    ZeRO 2, the demo's optimizer and schedule: bf16 all-reduce (DeepSpeed), LoCo 4-bit, and 4-bit
-   without error feedback; final train loss (mean of the last 10 steps) and validation loss.
+   without error feedback; final train loss (mean of the last 10 steps) and validation loss,
+   on ``--seeds`` seeds (default 3: model init and data order), each compared with the bf16 run
+   of its own seed.
 
-Results: JSON in benchmarks/out/bench_loco.json, markdown printed and in benchmarks/out/bench_loco.md.
+Results: JSON in benchmarks/out/bench_loco.json, markdown printed and in benchmarks/out/bench_loco.md,
+plot (bytes, kernel fractions, loss curves) in benchmarks/out/bench_loco.png.
 """
 
 from __future__ import annotations
@@ -67,7 +72,12 @@ def _ds_config(stage: int, steps: int, micro_batch: int, loco: dict[str, Any] | 
 
 
 def _train(
-    stage: int, steps: int, loco: dict[str, Any] | None, micro_batch: int = 16, evaluate: bool = False
+    stage: int,
+    steps: int,
+    loco: dict[str, Any] | None,
+    micro_batch: int = 16,
+    evaluate: bool = False,
+    seed: int = 1234,
 ) -> dict[str, Any]:
     """Runs on every rank: train the demo GPT, return losses and byte counts (rank 0's view)."""
     import torch
@@ -78,7 +88,7 @@ def _train(
     import zerohooks
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(1234)
+    torch.manual_seed(seed)
     model = GPT(GPTConfig())
     decay = [p for n, p in model.named_parameters() if p.dim() == 2 and "emb" not in n]
     rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and "emb" not in n)]
@@ -87,7 +97,7 @@ def _train(
         model=model, model_parameters=groups, config=_ds_config(stage, steps, micro_batch, loco)
     )
     corpus = ByteCorpus.load(train_bytes=4 << 20, val_bytes=1 << 18)
-    sampler = BatchSampler(corpus.train, 128, micro_batch, 1234, rank)
+    sampler = BatchSampler(corpus.train, 128, micro_batch, seed, rank)
     losses, times = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -200,9 +210,14 @@ def bench_kernels(n: int = 1 << 24, repeats: int = 7) -> dict[str, Any]:
     rs = torch.rand(sources, n // G)
     q2, s2 = torch.empty(1, n // 2, dtype=torch.uint8), torch.empty(1, n // G)
     out = torch.empty(n, dtype=torch.bfloat16)
-    src = torch.empty(1 << 25)  # 128 MiB fp32
+    # written, not torch.empty: untouched pages all map the kernel's one zero page, which stays in
+    # cache, and a copy that reads them runs ~1.5x faster than one reading memory
+    src = torch.ones(1 << 25)  # 128 MiB fp32
     dst = torch.empty_like(src)
     dst.copy_(src)
+    stream = _stream_copy()
+    sa = torch.ones(1 << 24, dtype=torch.float64)  # 128 MiB each
+    sc = torch.zeros_like(sa)
     scale_bytes = 4 * n / G
     kernels = {
         # bytes read + written per call
@@ -227,51 +242,112 @@ def bench_kernels(n: int = 1 << 24, repeats: int = 7) -> dict[str, Any]:
         return clock() - t0
 
     results: dict[str, Any] = {"elements": n, "group_size": G, "compiled": built, "threads": {}}
+    results["stream_copy_built"] = stream is not None
     for threads in sorted({1, torch.get_num_threads()}):
         torch.set_num_threads(threads)
-        copy_t, times = [], {name: [] for name in kernels}
-        copy_cpu, cpu_times = [], {name: [] for name in kernels}
-        for _ in range(repeats):  # interleaved, so both see the same machine load
-            copy_t.append(best(lambda: dst.copy_(src)))
+
+        def stream_fn(threads: int = threads) -> None:
+            if stream is None or stream(sa.data_ptr(), sc.data_ptr(), sa.numel(), threads) != 0:
+                raise RuntimeError("stream_copy failed to start its threads")
+
+        copies = {"stream": stream_fn, "torch": lambda: dst.copy_(src)}
+        if stream is None:
+            del copies["stream"]
+        copy_bytes = {"stream": 2 * sa.numel() * 8, "torch": 2 * src.numel() * 4}
+        copy_t: dict[str, list[float]] = {c: [] for c in copies}
+        copy_cpu: dict[str, list[float]] = {c: [] for c in copies}
+        times: dict[str, list[float]] = {name: [] for name in kernels}
+        cpu_times: dict[str, list[float]] = {name: [] for name in kernels}
+        for _ in range(repeats):  # interleaved, so all see the same machine load
+            for c, fn in copies.items():
+                copy_t[c].append(best(fn))
             for name, (fn, _) in kernels.items():
                 times[name].append(best(lambda fn=fn: fn(True)))
             if threads == 1:  # CPU time: what other jobs on a shared machine do not inflate
-                copy_cpu.append(best(lambda: dst.copy_(src), time.process_time))
+                for c, fn in copies.items():
+                    copy_cpu[c].append(best(fn, time.process_time))
                 for name, (fn, _) in kernels.items():
                     cpu_times[name].append(best(lambda fn=fn: fn(True), time.process_time))
-        copy_bw = 2 * src.numel() * 4 / min(copy_t)
-        row: dict[str, Any] = {"stream_copy_GBps": copy_bw / 1e9, "kernels": {}}
+        bw_of = {c: copy_bytes[c] / min(copy_t[c]) for c in copies}
+        # the goal's bar: STREAM's Copy; torch's copy_ where the STREAM kernel could not be built
+        bar = bw_of.get("stream", bw_of["torch"])
+        row: dict[str, Any] = {
+            "stream_copy_GBps": bw_of["stream"] / 1e9 if "stream" in bw_of else None,
+            "torch_copy_GBps": bw_of["torch"] / 1e9,
+            "kernels": {},
+        }
         for name, (fn, moved) in kernels.items():
             bw = moved / min(times[name])
             ref = moved / best(lambda fn=fn: fn(False))
             row["kernels"][name] = {
                 "GBps": bw / 1e9,
-                "fraction_of_copy": bw / copy_bw,
+                "fraction_of_copy": bw / bar,
+                "fraction_of_torch_copy": bw / bw_of["torch"],
                 "Gelem_per_s": n / min(times[name]) / 1e9,
                 "reference_GBps": ref / 1e9,
             }
             if threads == 1:
+                cpu_bar = "stream" if "stream" in copies else "torch"
                 row["kernels"][name]["fraction_of_copy_cpu_time"] = (moved / min(cpu_times[name])) / (
-                    2 * src.numel() * 4 / min(copy_cpu)
+                    copy_bytes[cpu_bar] / min(copy_cpu[cpu_bar])
                 )
         results["threads"][threads] = row
     return results
 
 
+def _stream_copy() -> Any:
+    """benchmarks/stream_copy.c built with gcc into benchmarks/out, as a ctypes function; None
+    (with a message) where there is no C compiler."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    source = ROOT / "benchmarks" / "stream_copy.c"
+    lib = OUT / "stream_copy.so"
+    cc = os.environ.get("CC", "gcc")
+    if shutil.which(cc) is None:
+        print(f"no C compiler ({cc}): the kernels are compared with torch's copy_ only", file=sys.stderr)
+        return None
+    if not lib.exists() or lib.stat().st_mtime < source.stat().st_mtime:
+        OUT.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            cc,
+            "-O3",
+            "-march=native",
+            "-fno-tree-loop-distribute-patterns",
+            "-fPIC",
+            "-shared",
+            "-pthread",
+        ]
+        cmd.append(str(source))
+        subprocess.run([*cmd, "-o", str(lib)], check=True)
+    fn = ctypes.CDLL(str(lib)).stream_copy
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 # --------------------------------------------------------------------------------- convergence
 
 
-def _convergence_worker(runs: list[tuple[str, dict[str, Any] | None]], steps: int) -> list[dict[str, Any]]:
+def _convergence_worker(
+    runs: list[tuple[str, dict[str, Any] | None]], steps: int, seeds: list[int]
+) -> list[dict[str, Any]]:
     _skip_shm()
     out = []
-    for name, loco in runs:
-        r = _train(2, steps, loco, micro_batch=16, evaluate=True)
-        r["name"] = name
-        out.append(r)
+    for seed in seeds:
+        for name, loco in runs:
+            r = _train(2, steps, loco, micro_batch=16, evaluate=True, seed=seed)
+            r["name"], r["seed"] = name, seed
+            out.append(r)
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"  seed {seed}: {name}: final loss {sum(r['losses'][-10:]) / 10:.4f}", flush=True)
     return out
 
 
-def bench_convergence(steps: int, world: int = 2) -> list[dict[str, Any]]:
+def bench_convergence(steps: int, seeds: int = 3, world: int = 2) -> list[dict[str, Any]]:
+    """Each run on ``seeds`` seeds (model init and data order); the figures are means over seeds,
+    with each seed's gap to the bf16 run of the same seed."""
     from zerohooks.testing import run_distributed
 
     runs: list[tuple[str, dict[str, Any] | None]] = [
@@ -279,19 +355,32 @@ def bench_convergence(steps: int, world: int = 2) -> list[dict[str, Any]]:
         ("LoCo 4-bit (defaults)", {}),
         ("4-bit, no error feedback", {"error_feedback": False}),
     ]
-    results = run_distributed(_convergence_worker, world, args=(runs, steps), timeout=7200)[0]
-    base = sum(results[0]["losses"][-10:]) / 10
+    seed_list = [1234 + 1000 * k for k in range(seeds)]
+    results = run_distributed(_convergence_worker, world, args=(runs, steps, seed_list), timeout=7200)[0]
+
+    def final(r: dict[str, Any]) -> float:
+        return sum(r["losses"][-10:]) / 10
+
+    base = {r["seed"]: final(r) for r in results if r["name"] == runs[0][0]}
+    base_val = {r["seed"]: r["val_loss"] for r in results if r["name"] == runs[0][0]}
     rows = []
-    for r in results:
-        final = sum(r["losses"][-10:]) / 10
+    for name, _ in runs:
+        mine = [r for r in results if r["name"] == name]
+        gaps = [final(r) / base[r["seed"]] - 1 for r in mine]
+        val_gaps = [r["val_loss"] / base_val[r["seed"]] - 1 for r in mine]
         rows.append(
             {
-                "run": r["name"],
-                "final_train_loss": final,
-                "vs_bf16": final / base - 1,
-                "val_loss": r["val_loss"],
-                "step_time_s": r["step_time_s"],
-                "losses": r["losses"],
+                "run": name,
+                "seeds": [r["seed"] for r in mine],
+                "final_train_loss": sum(final(r) for r in mine) / len(mine),
+                "final_train_loss_per_seed": [final(r) for r in mine],
+                "vs_bf16": sum(gaps) / len(gaps),
+                "vs_bf16_per_seed": gaps,
+                "val_loss": sum(r["val_loss"] for r in mine) / len(mine),
+                "val_vs_bf16": sum(val_gaps) / len(val_gaps),
+                "step_time_s": sorted(r["step_time_s"] for r in mine)[len(mine) // 2],
+                "losses": [sum(v) / len(mine) for v in zip(*(r["losses"] for r in mine), strict=True)],
+                "losses_per_seed": [r["losses"] for r in mine],
             }
         )
     return rows
@@ -323,39 +412,104 @@ def markdown(res: dict[str, Any]) -> str:
             f"## CPU kernels, {k['elements'] / 2**20:.0f} M elements, group {k['group_size']} "
             f"(compiled: {k['compiled']}); bytes read + written per second",
             "",
-            "| threads | kernel | GB/s | G elem/s | STREAM copy GB/s | fraction of copy (goal >= 0.5) | same, CPU time | reference GB/s |",
-            "|---|---|---|---|---|---|---|---|",
+            "| threads | kernel | GB/s | G elem/s | STREAM copy GB/s | fraction of STREAM copy (goal >= 0.5) "
+            "| same, CPU time | torch copy_ GB/s | fraction of torch copy_ | reference GB/s |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for threads, row in k["threads"].items():
+            stream = row.get("stream_copy_GBps")
             for name, v in row["kernels"].items():
                 cpu = v.get("fraction_of_copy_cpu_time")
                 lines.append(
-                    f"| {threads} | {name} | {v['GBps']:.2f} | {v['Gelem_per_s']:.2f} | {row['stream_copy_GBps']:.2f} | "
-                    f"**{v['fraction_of_copy']:.2f}** | {'' if cpu is None else f'{cpu:.2f}'} | {v['reference_GBps']:.2f} |"
+                    f"| {threads} | {name} | {v['GBps']:.2f} | {v['Gelem_per_s']:.2f} | "
+                    f"{'not built' if stream is None else f'{stream:.2f}'} | **{v['fraction_of_copy']:.2f}** | "
+                    f"{'' if cpu is None else f'{cpu:.2f}'} | {row['torch_copy_GBps']:.2f} | "
+                    f"{v['fraction_of_torch_copy']:.2f} | {v['reference_GBps']:.2f} |"
                 )
         lines.append("")
     if "convergence" in res:
         c = res["convergence"]
         lines += [
-            f"## Convergence: demo GPT, 2 ranks, ZeRO 2, {len(c[0]['losses'])} steps",
+            f"## Convergence: demo GPT, 2 ranks, ZeRO 2, {len(c[0]['losses'])} steps, "
+            f"{len(c[0]['seeds'])} seeds (means; per seed in brackets)",
             "",
-            "| run | final train loss (last 10) | vs bf16 (goal LoCo within 1%) | val loss | step time |",
-            "|---|---|---|---|---|",
+            "| run | final train loss (last 10) | vs bf16, same seed (goal LoCo within 1%) | val loss | val vs bf16 "
+            "| step time |",
+            "|---|---|---|---|---|---|",
         ]
         for r in c:
+            per = ", ".join(f"{100 * g:+.2f}%" for g in r["vs_bf16_per_seed"])
             lines.append(
-                f"| {r['run']} | {r['final_train_loss']:.4f} | {100 * r['vs_bf16']:+.2f}% | {r['val_loss']:.4f} | "
-                f"{r['step_time_s']:.3f} s |"
+                f"| {r['run']} | {r['final_train_loss']:.4f} | {100 * r['vs_bf16']:+.2f}% ({per}) | "
+                f"{r['val_loss']:.4f} | {100 * r['val_vs_bf16']:+.2f}% | {r['step_time_s']:.3f} s |"
             )
         lines.append("")
     lines.append(f"Command: `{res['meta']['command']}`")
     return "\n".join(lines)
 
 
+def plot(res: dict[str, Any], path: Path) -> None:
+    """One panel per section present: bytes per step, kernel fractions of copy, loss curves."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [k for k in ("bytes", "kernels", "convergence") if k in res]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    for ax, key in zip(axes[0], panels, strict=True):
+        if key == "bytes":
+            rows = res["bytes"]
+            labels = [
+                f"{r['ranks']}r {'2x2' if r['topology'] != 'flat' else 'flat'} Z{r['zero_stage']}"
+                for r in rows
+            ]
+            xs = range(len(rows))
+            ax.bar(
+                [x - 0.2 for x in xs], [r["bf16_wire_bytes_per_step"] / 1e6 for r in rows], 0.4, label="bf16"
+            )
+            ax.bar(
+                [x + 0.2 for x in xs],
+                [r["loco_wire_bytes_per_step"] / 1e6 for r in rows],
+                0.4,
+                label="LoCo 4-bit",
+            )
+            ax.set_xticks(list(xs), labels, rotation=20)
+            ax.set_ylabel("MB sent per optimizer step (all ranks)")
+            ax.set_title("gradient bytes")
+        elif key == "kernels":
+            threads = list(res["kernels"]["threads"].items())
+            names = list(threads[0][1]["kernels"])
+            width = 0.8 / len(threads)
+            for t, (n_threads, row) in enumerate(threads):
+                xs = [k + (t - (len(threads) - 1) / 2) * width for k in range(len(names))]
+                fr = [row["kernels"][name]["fraction_of_copy"] for name in names]
+                ax.bar(xs, fr, width, label=f"{n_threads} thread(s)")
+            ax.axhline(0.5, color="k", ls="--", lw=1, label="goal")
+            ax.set_xticks(range(len(names)), [name.split(" ")[0] for name in names], rotation=15)
+            ax.set_ylabel("bytes/s as a fraction of STREAM copy")
+            ax.set_title("CPU kernels")
+        else:
+            for r in res["convergence"]:
+                ys = r["losses"]
+                smooth = [
+                    sum(ys[max(0, i - 9) : i + 1]) / len(ys[max(0, i - 9) : i + 1]) for i in range(len(ys))
+                ]
+                ax.plot(range(1, len(ys) + 1), smooth, label=r["run"])
+            ax.set_xlabel("step")
+            ax.set_ylabel(f"train loss (10-step mean, mean of {len(res['convergence'][0]['seeds'])} seeds)")
+            ax.set_title("convergence, demo GPT, 2 ranks, ZeRO 2")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", default="bytes,kernels,convergence", help="comma-separated sections")
     p.add_argument("--steps", type=int, default=150, help="optimizer steps per convergence run")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per convergence run")
     p.add_argument("--no-4-ranks", action="store_true", help="skip the 4-rank byte counts")
     args = p.parse_args(argv)
     only = set(args.only.split(","))
@@ -381,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
             res["bytes"] += bench_bytes(4, (3,), {"hierarchy": "two_level", "node_size": 2})
         print(f"bytes done ({time.time() - t0:.0f} s)", flush=True)
     if "convergence" in only:
-        res["convergence"] = bench_convergence(args.steps)
+        res["convergence"] = bench_convergence(args.steps, args.seeds)
         print(f"convergence done ({time.time() - t0:.0f} s)", flush=True)
     res["meta"]["seconds"] = round(time.time() - t0)
     OUT.mkdir(parents=True, exist_ok=True)
@@ -389,6 +543,11 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(res)
     (OUT / "bench_loco.md").write_text(text + "\n")
     print(text)
+    try:
+        plot(res, OUT / "bench_loco.png")
+        print(f"plot: {OUT / 'bench_loco.png'}")
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
     return 0
 
 

@@ -142,6 +142,9 @@ void dequant_reduce_requant(For&& parallel, const Rows& rows, int64_t M, int64_t
   parallel(M / G, [&](int64_t begin, int64_t end) {
     Scratch sc;
     GroupCursor at(begin, gpr);
+    int64_t row = -1;  // destination row of the cached pointers (q_row / s_row divide)
+    uint8_t* qr = nullptr;
+    float* sr = nullptr;
     for (int64_t gi0 = begin; gi0 < end; gi0 += per_block) {
       const int64_t nb = std::min(per_block, end - gi0);
       for (int64_t k = 0; k < nb; ++k, at.next()) {
@@ -165,8 +168,13 @@ void dequant_reduce_requant(For&& parallel, const Rows& rows, int64_t M, int64_t
         }
         sc.m[k] = absmax_bits(x, G);
 #endif
-        sc.q[k] = q_row(dst, at.r) + at.j * G * BITS / 8;
-        sc.sd[k] = s_row(dst, at.r) + at.j;
+        if (at.r != row) {
+          row = at.r;
+          qr = q_row(dst, row);
+          sr = s_row(dst, row);
+        }
+        sc.q[k] = qr + at.j * G * BITS / 8;
+        sc.sd[k] = sr + at.j;
       }
       encode_block<BITS>(sc, nb, gi0, G, b, omb, e);
     }
