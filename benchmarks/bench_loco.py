@@ -3,6 +3,7 @@
     python benchmarks/bench_loco.py                     # everything (about 35 min on 2 CPU cores)
     python benchmarks/bench_loco.py --only bytes,kernels
     python benchmarks/bench_loco.py --steps 300         # longer convergence runs
+    python benchmarks/bench_loco.py --only kernels --keep  # re-measure one section, keep the others
 
 1. **bytes**: the demo GPT (examples/gpt.py, default size) on 2 gloo ranks, ZeRO 1/2/3, fp32
    compute with bf16 gradient communication. For LoCo, the bytes each rank sends to other ranks
@@ -292,7 +293,77 @@ def bench_kernels(n: int = 1 << 24, repeats: int = 7) -> dict[str, Any]:
                     copy_bytes[cpu_bar] / min(copy_cpu[cpu_bar])
                 )
         results["threads"][threads] = row
+    results["cuda"] = bench_cuda_kernels()
     return results
+
+
+def bench_cuda_kernels(n: int = 1 << 26, repeats: int = 20) -> dict[str, Any]:
+    """The same three kernels on a CUDA device (64 M elements), bytes per second as a fraction of
+    the device's copy of a 256 MiB fp32 buffer, timed with CUDA events (goal >= 0.7).  A dict
+    with the reason where there is no GPU or the CUDA kernels do not build."""
+    import torch
+
+    from loco import ops
+
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device"}
+    if not ops.load("cuda"):
+        return {"skipped": f"the CUDA kernels did not build: {ops.build_error('cuda')}"}
+    dev, G, sources = "cuda", 128, 2
+    g = torch.randn(n, device=dev).to(torch.bfloat16)
+    e, es = torch.zeros(n, dtype=torch.int8, device=dev), torch.zeros(n // G, device=dev)
+    q, s = torch.empty(1, n // 2, dtype=torch.uint8, device=dev), torch.empty(1, n // G, device=dev)
+    rq = torch.randint(0, 256, (sources, n // 2), dtype=torch.uint8, device=dev)
+    rs = torch.rand(sources, n // G, device=dev)
+    q2, s2 = torch.empty_like(q), torch.empty_like(s)
+    out = torch.empty(n, dtype=torch.bfloat16, device=dev)
+    src = torch.ones(n, device=dev)
+    dst = torch.empty_like(src)
+    sb = 4 * n / G
+    kernels = {
+        "quantize_ef (bf16 in, int8 error, 4-bit out)": (
+            lambda: torch.ops.loco.quantize_ef(g, e, es, 0.8, 4, G, n, q, s),
+            n * 2 + (n + sb) * 2 + n / 2 + sb,
+        ),
+        "dequant_reduce_requant (2 sources, int8 error)": (
+            lambda: torch.ops.loco.dequant_reduce_requant(rq, rs, e, es, 0.8, 4, G, q2, s2),
+            sources * (n / 2 + sb) + (n + sb) * 2 + n / 2 + sb,
+        ),
+        "dequant_reduce (2 sources, bf16 out)": (
+            lambda: torch.ops.loco.dequant_reduce(rq, rs, 4, G, 2.0, out),
+            sources * (n / 2 + sb) + 2 * n,
+        ),
+    }
+
+    def timed(fn: Any) -> float:
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / repeats / 1e3
+
+    copy_t, times = [], {name: [] for name in kernels}
+    for _ in range(5):  # interleaved
+        copy_t.append(timed(lambda: dst.copy_(src)))
+        for name, (fn, _) in kernels.items():
+            times[name].append(timed(fn))
+    copy_bw = 2 * 4 * n / min(copy_t)
+    return {
+        "device": torch.cuda.get_device_name(),
+        "elements": n,
+        "copy_GBps": copy_bw / 1e9,
+        "kernels": {
+            name: {
+                "GBps": moved / min(times[name]) / 1e9,
+                "fraction_of_copy": moved / min(times[name]) / copy_bw,
+            }
+            for name, (_, moved) in kernels.items()
+        },
+    }
 
 
 def _stream_copy() -> Any:
@@ -345,15 +416,17 @@ def _convergence_worker(
     return out
 
 
-def bench_convergence(steps: int, seeds: int = 3, world: int = 2) -> list[dict[str, Any]]:
+def bench_convergence(
+    steps: int, seeds: int = 3, group_size: int = 128, world: int = 2
+) -> list[dict[str, Any]]:
     """Each run on ``seeds`` seeds (model init and data order); the figures are means over seeds,
     with each seed's gap to the bf16 run of the same seed."""
     from zerohooks.testing import run_distributed
 
     runs: list[tuple[str, dict[str, Any] | None]] = [
         ("bf16 all-reduce (DeepSpeed)", None),
-        ("LoCo 4-bit (defaults)", {}),
-        ("4-bit, no error feedback", {"error_feedback": False}),
+        ("LoCo 4-bit", {"group_size": group_size}),
+        ("4-bit, no error feedback", {"group_size": group_size, "error_feedback": False}),
     ]
     seed_list = [1234 + 1000 * k for k in range(seeds)]
     results = run_distributed(_convergence_worker, world, args=(runs, steps, seed_list), timeout=7200)[0]
@@ -371,6 +444,7 @@ def bench_convergence(steps: int, seeds: int = 3, world: int = 2) -> list[dict[s
         rows.append(
             {
                 "run": name,
+                "group_size": group_size,
                 "seeds": [r["seed"] for r in mine],
                 "final_train_loss": sum(final(r) for r in mine) / len(mine),
                 "final_train_loss_per_seed": [final(r) for r in mine],
@@ -389,8 +463,14 @@ def bench_convergence(steps: int, seeds: int = 3, world: int = 2) -> list[dict[s
 # --------------------------------------------------------------------------------------- report
 
 
+SECTIONS = ("kernels", "bytes", "convergence")
+
+
 def markdown(res: dict[str, Any]) -> str:
-    lines = [f"# LoCo benchmark ({res['meta']['date']}, {res['meta']['machine']})", ""]
+    lines = [f"# LoCo benchmark ({res['meta']['machine']}, torch {res['meta']['torch']})", ""]
+    for name, m in res["meta"]["sections"].items():
+        lines.append(f"* {name}: {m.get('date')}, load average {m.get('load')}, `{m.get('command')}`")
+    lines.append("")
     if "bytes" in res:
         lines += [
             "## Gradient bytes per optimizer step (sent by all ranks), demo GPT "
@@ -427,11 +507,26 @@ def markdown(res: dict[str, Any]) -> str:
                     f"{v['fraction_of_torch_copy']:.2f} | {v['reference_GBps']:.2f} |"
                 )
         lines.append("")
+        cu = k.get("cuda") or {"skipped": "not measured"}
+        if "skipped" in cu:
+            lines += [f"CUDA kernels: not measured ({cu['skipped']}).", ""]
+        else:
+            lines += [
+                f"## CUDA kernels, {cu['device']}, {cu['elements'] / 2**20:.0f} M elements, group 128",
+                "",
+                "| kernel | GB/s | device copy GB/s | fraction of copy (goal >= 0.7) |",
+                "|---|---|---|---|",
+            ]
+            for name, v in cu["kernels"].items():
+                lines.append(
+                    f"| {name} | {v['GBps']:.0f} | {cu['copy_GBps']:.0f} | **{v['fraction_of_copy']:.2f}** |"
+                )
+            lines.append("")
     if "convergence" in res:
         c = res["convergence"]
         lines += [
             f"## Convergence: demo GPT, 2 ranks, ZeRO 2, {len(c[0]['losses'])} steps, "
-            f"{len(c[0]['seeds'])} seeds (means; per seed in brackets)",
+            f"{len(c[0]['seeds'])} seeds (means; per seed in brackets), LoCo group size {c[1].get('group_size', 128)}",
             "",
             "| run | final train loss (last 10) | vs bf16, same seed (goal LoCo within 1%) | val loss | val vs bf16 "
             "| step time |",
@@ -444,7 +539,6 @@ def markdown(res: dict[str, Any]) -> str:
                 f"{r['val_loss']:.4f} | {100 * r['val_vs_bf16']:+.2f}% | {r['step_time_s']:.3f} s |"
             )
         lines.append("")
-    lines.append(f"Command: `{res['meta']['command']}`")
     return "\n".join(lines)
 
 
@@ -510,34 +604,60 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="bytes,kernels,convergence", help="comma-separated sections")
     p.add_argument("--steps", type=int, default=150, help="optimizer steps per convergence run")
     p.add_argument("--seeds", type=int, default=3, help="seeds per convergence run")
+    p.add_argument("--group-size", type=int, default=128, help="LoCo's group_size in the convergence runs")
     p.add_argument("--no-4-ranks", action="store_true", help="skip the 4-rank byte counts")
+    p.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the sections of the last benchmarks/out/bench_loco.json that this run does not measure "
+        "(each keeps its own date and command)",
+    )
     args = p.parse_args(argv)
     only = set(args.only.split(","))
-    res: dict[str, Any] = {
-        "meta": {
-            "date": time.strftime("%Y-%m-%d %H:%M"),
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}",
-            "command": "python benchmarks/bench_loco.py "
-            + " ".join(argv if argv is not None else sys.argv[1:]),
-        }
-    }
+    unknown = only - set(SECTIONS)
+    if unknown:
+        p.error(
+            f"unknown section(s) {sorted(unknown)}; --only takes a comma-separated subset of {list(SECTIONS)}"
+        )
     import torch
 
-    res["meta"]["torch"] = torch.__version__
-    t0 = time.time()
-    if "kernels" in only:
-        res["kernels"] = bench_kernels()
-        print(f"kernels done ({time.time() - t0:.0f} s)", flush=True)
-    if "bytes" in only:
-        res["bytes"] = bench_bytes(2, (1, 2, 3))
-        if not args.no_4_ranks:
-            res["bytes"] += bench_bytes(4, (3,))
-            res["bytes"] += bench_bytes(4, (3,), {"hierarchy": "two_level", "node_size": 2})
-        print(f"bytes done ({time.time() - t0:.0f} s)", flush=True)
-    if "convergence" in only:
-        res["convergence"] = bench_convergence(args.steps, args.seeds)
-        print(f"convergence done ({time.time() - t0:.0f} s)", flush=True)
-    res["meta"]["seconds"] = round(time.time() - t0)
+    command = "python benchmarks/bench_loco.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    res: dict[str, Any] = {
+        "meta": {
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+            "torch": torch.__version__,
+            "sections": {},
+        }
+    }
+    if args.keep and (OUT / "bench_loco.json").exists():
+        old = json.loads((OUT / "bench_loco.json").read_text())
+        for name in SECTIONS:
+            if name in old and name not in only:
+                res[name] = old[name]
+                res["meta"]["sections"][name] = old["meta"].get("sections", {}).get(name) or {
+                    k: old["meta"].get(k) for k in ("date", "command", "load")
+                }
+    for name in SECTIONS:
+        if name not in only:
+            continue
+        t0 = time.time()
+        load = os.getloadavg()[0]
+        if name == "kernels":
+            res["kernels"] = bench_kernels()
+        elif name == "bytes":
+            res["bytes"] = bench_bytes(2, (1, 2, 3))
+            if not args.no_4_ranks:
+                res["bytes"] += bench_bytes(4, (3,))
+                res["bytes"] += bench_bytes(4, (3,), {"hierarchy": "two_level", "node_size": 2})
+        else:
+            res["convergence"] = bench_convergence(args.steps, args.seeds, args.group_size)
+        res["meta"]["sections"][name] = {
+            "date": time.strftime("%Y-%m-%d %H:%M", time.localtime(t0)),
+            "command": command,
+            "load": f"{load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end",
+            "seconds": round(time.time() - t0),
+        }
+        print(f"{name} done ({time.time() - t0:.0f} s)", flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "bench_loco.json").write_text(json.dumps(res, indent=1))
     text = markdown(res)

@@ -60,12 +60,17 @@ def cpu_build_flags() -> list[str]:
     return ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", *isa]
 
 
+# nvcc flags of the CUDA kernels: no multiply-add contraction (every product rounded on its own,
+# as in the reference); tests compile the sources with the same flags
+CUDA_CFLAGS = ["-O3", "--fmad=false"]
+
+
 def _build(name: str, sources: list[Path], cuda: bool = False) -> None:
     from torch.utils.cpp_extension import load as cpp_load
 
     kwargs: dict[str, Any] = {}
     if cuda:
-        kwargs["extra_cuda_cflags"] = ["-O3", "--fmad=false"]
+        kwargs["extra_cuda_cflags"] = list(CUDA_CFLAGS)
     cpp_load(
         name=name,
         sources=[str(s) for s in sources],

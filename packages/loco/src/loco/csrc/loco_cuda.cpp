@@ -24,11 +24,24 @@ void check_launch(cudaError_t status, const char* what) {
   TORCH_CHECK(status == cudaSuccess, "loco: launching ", what, " failed: ", cudaGetErrorString(status));
 }
 
+// The dispatcher picks these implementations when any argument is a CUDA tensor, even an empty
+// one: the tensor the others are checked against must itself be on a CUDA device.
+void check_cuda(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.is_cuda(), "loco: the CUDA operator got ", what, " on device ", t.device(),
+              "; all its tensors must be on one CUDA device");
+}
+
+void check_groups(int64_t ngroups) {
+  TORCH_CHECK(ngroups <= cuda::kMaxGroups, "loco: ", ngroups, " groups are more than one launch covers (",
+              cuda::kMaxGroups, "); split the tensor");
+}
+
 void quantize_ef_cuda(const at::Tensor& g_in, const at::Tensor& e, const at::Tensor& e_scale, double beta,
                       int64_t bits, int64_t group_size, int64_t row_len, const at::Tensor& q, const at::Tensor& scale) {
   check_params(bits, group_size);
   const c10::DeviceGuard guard(g_in.device());
   const int64_t G = group_size;
+  check_cuda(g_in, "g");
   const at::Tensor g = g_in.contiguous();
   const QefShape shape = qef_shape(g, q, row_len, G);
   for (const auto* t : {&e, &e_scale, &q, &scale}) check_device(*t, g, "every tensor");
@@ -39,6 +52,7 @@ void quantize_ef_cuda(const at::Tensor& g_in, const at::Tensor& e, const at::Ten
   a.row_len = row_len;
   a.cpad = shape.cpad;
   a.ngroups = shape.cpad / G * shape.nrows;
+  check_groups(a.ngroups);
   a.b = static_cast<float>(beta);
   a.omb = static_cast<float>(1.0 - beta);
   a.dst = dest_of(q, scale, shape.nrows, shape.cpad * bits / 8, shape.cpad / G);
@@ -51,10 +65,12 @@ void dequant_reduce_requant_cuda(const at::Tensor& q, const at::Tensor& scale, c
                                  const at::Tensor& e_scale, double beta, int64_t bits, int64_t group_size,
                                  const at::Tensor& q_out, const at::Tensor& scale_out) {
   check_params(bits, group_size);
+  check_cuda(q, "q");
   const c10::DeviceGuard guard(q.device());
   const int64_t G = group_size;
   int64_t M = 0;
   const Rows rows = rows_of(q, scale, bits, G, &M);
+  check_groups(M / G);
   const int64_t gpr = requant_rows(q_out, M, G);
   for (const auto* t : {&e, &e_scale, &q_out, &scale_out}) check_device(*t, q, "every tensor");
   const Dest dst = dest_of(q_out, scale_out, q_out.size(0), gpr * G * bits / 8, gpr);
@@ -68,9 +84,11 @@ void dequant_reduce_requant_cuda(const at::Tensor& q, const at::Tensor& scale, c
 void dequant_reduce_cuda(const at::Tensor& q, const at::Tensor& scale, int64_t bits, int64_t group_size,
                          double divisor, const at::Tensor& out) {
   check_params(bits, group_size);
+  check_cuda(q, "q");
   const c10::DeviceGuard guard(q.device());
   int64_t M = 0;
   const Rows rows = rows_of(q, scale, bits, group_size, &M);
+  check_groups((out.numel() + group_size - 1) / group_size);
   TORCH_CHECK(out.is_contiguous() && out.numel() <= M, "loco: out must be contiguous with at most ", M,
               " elements, got ", out.numel());
   check_device(out, q, "out");

@@ -17,7 +17,6 @@ namespace cuda {
 namespace {
 
 constexpr int kWarp = 32;
-constexpr int kWarpsPerBlock = 8;
 
 __device__ __forceinline__ float load_elem(const void* p, int dtype, int64_t i) {
   if (dtype == kF32) return static_cast<const float*>(p)[i];

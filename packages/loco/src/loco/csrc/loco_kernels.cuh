@@ -10,6 +10,10 @@
 namespace loco {
 namespace cuda {
 
+constexpr int kWarpsPerBlock = 8;  // one warp per group, 8 groups per block of 256 threads
+// groups one launch covers: a grid has at most 2^31 - 1 blocks in x
+constexpr int64_t kMaxGroups = static_cast<int64_t>(0x7fffffff) * kWarpsPerBlock;
+
 // g (n elements, DType dtype) in rows of row_len padded to cpad; ngroups = cpad / G * rows
 struct QefArgs {
   const void* g;

@@ -25,8 +25,8 @@ inline int dtype_code(const at::Tensor& t, const char* what) {
 }
 
 inline void check_device(const at::Tensor& t, const at::Tensor& ref, const char* what) {
-  TORCH_CHECK(t.numel() == 0 || t.device() == ref.device(), "loco: ", what, " must be on ", ref.device(), ", got ",
-              t.device());
+  TORCH_CHECK(t.numel() == 0 || t.device() == ref.device(), "loco: ", what, " must be on device ", ref.device(),
+              ", got device ", t.device());
 }
 
 // The error buffer of `total` elements (empty: no error feedback).
