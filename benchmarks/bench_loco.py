@@ -16,14 +16,17 @@
    128 MiB double arrays, 16 bytes counted per element) and, as a stricter second bar, torch's
    ``copy_`` of a 128 MiB fp32 buffer, all measured in the same run, interleaved, best of N,
    1 thread and all threads.
-3. **convergence**: the demo GPT on the standard-library corpus (examples/data.py), 2 ranks,
+3. **feedback**: what error feedback does, on a synthetic gradient stream whose small persistent
+   component 4-bit rounding sends as zero: the drift of the sum of what was sent from the sum of
+   the true gradients, without feedback, with LoCo's default and with beta 0.
+4. **convergence**: the demo GPT on the standard-library corpus (examples/data.py), 2 ranks,
    ZeRO 2, the demo's optimizer and schedule: bf16 all-reduce (DeepSpeed), LoCo 4-bit, and 4-bit
    without error feedback; final train loss (mean of the last 10 steps) and validation loss,
    on ``--seeds`` seeds (default 3: model init and data order), each compared with the bf16 run
    of its own seed.
 
 Results: JSON in benchmarks/out/bench_loco.json, markdown printed and in benchmarks/out/bench_loco.md,
-plot (bytes, kernel fractions, loss curves) in benchmarks/out/bench_loco.png.
+plot (bytes, kernel fractions, feedback drift, loss curves) in benchmarks/out/bench_loco.png.
 """
 
 from __future__ import annotations
@@ -460,10 +463,61 @@ def bench_convergence(
     return rows
 
 
+def bench_feedback(steps: int = 300, n: int = 1 << 20, seed: int = 7) -> dict[str, Any]:
+    """What error feedback buys, on a synthetic gradient stream where 4-bit rounding is biased:
+    g_t = s + noise_t, with one large value per group (it sets the group's scale) and a small
+    persistent component s elsewhere (below half a code step, so rounding sends it as 0).  Per
+    step t, the relative error of the sum of what was sent against the sum of the true gradients,
+    ||sum(sent) - sum(g)|| / ||sum(g)|| over the small coordinates: the drift a model following
+    the sent gradients accumulates.  Without feedback it stays near 1 (the component is never
+    sent); with it, it falls as the error buffer carries the rounded-away part into later steps."""
+    import torch
+
+    from loco import ops, reference
+
+    G, bits = 128, 4
+    gen = torch.Generator().manual_seed(seed)
+    big = torch.zeros(n)
+    big[::G] = 1.0  # scale of every group: 1/7, half a code step 0.071
+    small = torch.ones(n, dtype=torch.bool)
+    small[::G] = False
+    signal = torch.where(small, 0.02 * torch.rand(n, generator=gen).sign(), big)
+    variants = {
+        "no error feedback": None,
+        "LoCo, err_beta 0.8 (default)": 0.8,
+        "error feedback, beta 0": 0.0,
+    }
+    curves: dict[str, list[float]] = {}
+    for name, beta in variants.items():
+        noise_gen = torch.Generator().manual_seed(seed + 1)  # the same stream for every variant
+        if beta is None:
+            e, es = torch.empty(0, dtype=torch.int8), torch.empty(0)
+        else:
+            e, es = torch.zeros(n, dtype=torch.int8), torch.zeros(n // G)
+        q, sc = torch.empty(1, n * bits // 8, dtype=torch.uint8), torch.empty(1, n // G)
+        sent_sum, true_sum = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+        curve = []
+        for _ in range(steps):
+            g = signal + 0.01 * torch.randn(n, generator=noise_gen) * small
+            ops.quantize_ef(g, e, es, 0.0 if beta is None else beta, bits, G, n, q, sc)
+            sent_sum += reference.decode(q, sc, bits, G).view(-1).double()
+            true_sum += g.double()
+            diff = (sent_sum - true_sum)[small].norm() / true_sum[small].norm()
+            curve.append(float(diff))
+        curves[name] = curve
+    return {
+        "steps": steps,
+        "elements": n,
+        "group_size": G,
+        "curves": curves,
+        "final": {k: v[-1] for k, v in curves.items()},
+    }
+
+
 # --------------------------------------------------------------------------------------- report
 
 
-SECTIONS = ("kernels", "bytes", "convergence")
+SECTIONS = ("kernels", "bytes", "feedback", "convergence")
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -522,6 +576,19 @@ def markdown(res: dict[str, Any]) -> str:
                     f"| {name} | {v['GBps']:.0f} | {cu['copy_GBps']:.0f} | **{v['fraction_of_copy']:.2f}** |"
                 )
             lines.append("")
+    if "feedback" in res:
+        f = res["feedback"]
+        marks = [t for t in (1, 10, 50, 100, 200, 300, 1000) if t <= f["steps"]]
+        lines += [
+            f"## Error feedback on a biased stream ({f['elements'] / 2**20:.0f} M elements, group {f['group_size']}, "
+            "4-bit): ||sum sent - sum true|| / ||sum true|| over the small coordinates",
+            "",
+            "| variant | " + " | ".join(f"step {t}" for t in marks) + " |",
+            "|---|" + "---|" * len(marks),
+        ]
+        for name, curve in f["curves"].items():
+            lines.append(f"| {name} | " + " | ".join(f"{curve[t - 1]:.3f}" for t in marks) + " |")
+        lines.append("")
     if "convergence" in res:
         c = res["convergence"]
         lines += [
@@ -549,7 +616,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [k for k in ("bytes", "kernels", "convergence") if k in res]
+    panels = [k for k in ("bytes", "kernels", "feedback", "convergence") if k in res]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
     for ax, key in zip(axes[0], panels, strict=True):
         if key == "bytes":
@@ -583,6 +650,13 @@ def plot(res: dict[str, Any], path: Path) -> None:
             ax.set_xticks(range(len(names)), [name.split(" ")[0] for name in names], rotation=15)
             ax.set_ylabel("bytes/s as a fraction of STREAM copy")
             ax.set_title("CPU kernels")
+        elif key == "feedback":
+            for name, curve in res["feedback"]["curves"].items():
+                ax.plot(range(1, len(curve) + 1), curve, label=name)
+            ax.set_xlabel("step")
+            ax.set_ylabel("||sum sent - sum true|| / ||sum true||")
+            ax.set_yscale("log")
+            ax.set_title("error feedback, biased 4-bit stream")
         else:
             for r in res["convergence"]:
                 ys = r["losses"]
@@ -601,7 +675,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", default="bytes,kernels,convergence", help="comma-separated sections")
+    p.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
     p.add_argument("--steps", type=int, default=150, help="optimizer steps per convergence run")
     p.add_argument("--seeds", type=int, default=3, help="seeds per convergence run")
     p.add_argument("--group-size", type=int, default=128, help="LoCo's group_size in the convergence runs")
@@ -644,6 +718,8 @@ def main(argv: list[str] | None = None) -> int:
         load = os.getloadavg()[0]
         if name == "kernels":
             res["kernels"] = bench_kernels()
+        elif name == "feedback":
+            res["feedback"] = bench_feedback()
         elif name == "bytes":
             res["bytes"] = bench_bytes(2, (1, 2, 3))
             if not args.no_4_ranks:
