@@ -1,6 +1,6 @@
 """LoCo benchmark: gradient bytes per step, kernel throughput, convergence on the demo LM.
 
-    python benchmarks/bench_loco.py                     # everything (about 35 min on 2 CPU cores)
+    python benchmarks/bench_loco.py                     # everything (about 20 min on 2 CPU cores)
     python benchmarks/bench_loco.py --only bytes,kernels
     python benchmarks/bench_loco.py --steps 300         # longer convergence runs
     python benchmarks/bench_loco.py --only kernels --keep  # re-measure one section, keep the others
@@ -13,7 +13,7 @@
    Also 4 ranks flat and two-level (2 nodes x 2) on ZeRO 3.
 2. **kernels**: the CPU kernels on 16M elements, bytes read and written per second, against
    STREAM's Copy kernel (benchmarks/stream_copy.c, built with gcc here: ``c[j] = a[j]`` over two
-   128 MiB double arrays, 16 bytes counted per element) and, as a stricter second bar, torch's
+   128 MiB double arrays, 16 bytes counted per element) and, as a second bar, torch's
    ``copy_`` of a 128 MiB fp32 buffer, all measured in the same run, interleaved, best of N,
    1 thread and all threads.
 3. **feedback**: what error feedback does, on a synthetic gradient stream whose small persistent
@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -370,31 +371,21 @@ def bench_cuda_kernels(n: int = 1 << 26, repeats: int = 20) -> dict[str, Any]:
 
 
 def _stream_copy() -> Any:
-    """benchmarks/stream_copy.c built with gcc into benchmarks/out, as a ctypes function; None
-    (with a message) where there is no C compiler."""
+    """benchmarks/stream_copy.c built with gcc for this CPU (-march=native, so rebuilt on every
+    run, in a temporary folder), as a ctypes function; None (with a message) where there is no C
+    compiler."""
     import ctypes
     import shutil
     import subprocess
 
     source = ROOT / "benchmarks" / "stream_copy.c"
-    lib = OUT / "stream_copy.so"
+    lib = Path(tempfile.mkdtemp(prefix="stream_copy_")) / "stream_copy.so"
     cc = os.environ.get("CC", "gcc")
     if shutil.which(cc) is None:
         print(f"no C compiler ({cc}): the kernels are compared with torch's copy_ only", file=sys.stderr)
         return None
-    if not lib.exists() or lib.stat().st_mtime < source.stat().st_mtime:
-        OUT.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            cc,
-            "-O3",
-            "-march=native",
-            "-fno-tree-loop-distribute-patterns",
-            "-fPIC",
-            "-shared",
-            "-pthread",
-        ]
-        cmd.append(str(source))
-        subprocess.run([*cmd, "-o", str(lib)], check=True)
+    flags = ["-O3", "-march=native", "-fno-tree-loop-distribute-patterns", "-fPIC", "-shared", "-pthread"]
+    subprocess.run([cc, *flags, str(source), "-o", str(lib)], check=True)
     fn = ctypes.CDLL(str(lib)).stream_copy
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
     fn.restype = ctypes.c_int
@@ -476,12 +467,13 @@ def bench_feedback(steps: int = 300, n: int = 1 << 20, seed: int = 7) -> dict[st
     from loco import ops, reference
 
     G, bits = 128, 4
+    ops.load("cpu")  # the compiled kernel where it builds (same results as the reference, faster)
     gen = torch.Generator().manual_seed(seed)
     big = torch.zeros(n)
     big[::G] = 1.0  # scale of every group: 1/7, half a code step 0.071
     small = torch.ones(n, dtype=torch.bool)
     small[::G] = False
-    signal = torch.where(small, 0.02 * torch.rand(n, generator=gen).sign(), big)
+    signal = torch.where(small, 0.02 * torch.randn(n, generator=gen).sign(), big)  # +-0.02
     variants = {
         "no error feedback": None,
         "LoCo, err_beta 0.8 (default)": 0.8,
@@ -518,6 +510,33 @@ def bench_feedback(steps: int = 300, n: int = 1 << 20, seed: int = 7) -> dict[st
 
 
 SECTIONS = ("kernels", "bytes", "feedback", "convergence")
+FORMAT = 2  # of benchmarks/out/bench_loco.json; --keep drops sections written in another format
+
+
+def _keep_older(res: dict[str, Any], old: dict[str, Any]) -> None:
+    """Copy into ``res`` the sections of ``old`` (an earlier bench_loco.json) that ``res`` lacks,
+    with their own dates and commands; sections of another format are dropped, with a message."""
+    sections = old.get("meta", {}).get("sections", {})
+    if old.get("meta", {}).get("format") != FORMAT:
+        if sections or any(k in old for k in SECTIONS):
+            print(
+                f"--keep: {OUT / 'bench_loco.json'} is in an older format; its sections are dropped",
+                file=sys.stderr,
+            )
+        return
+    for key, meta in sections.items():
+        if key not in res and key in old:
+            res[key] = old[key]
+            res["meta"]["sections"][key] = meta
+
+
+def _bar(kernels: dict[str, Any]) -> str:
+    """What the kernels' fractions are of: STREAM's Copy, or torch's copy_ where it was not built."""
+    return "STREAM copy" if kernels.get("stream_copy_built", True) else "torch copy_ (STREAM copy not built)"
+
+
+def _convergence_keys(res: dict[str, Any]) -> list[str]:
+    return sorted((k for k in res if k.startswith("convergence")), key=lambda k: (k != "convergence", k))
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -546,7 +565,7 @@ def markdown(res: dict[str, Any]) -> str:
             f"## CPU kernels, {k['elements'] / 2**20:.0f} M elements, group {k['group_size']} "
             f"(compiled: {k['compiled']}); bytes read + written per second",
             "",
-            "| threads | kernel | GB/s | G elem/s | STREAM copy GB/s | fraction of STREAM copy (goal >= 0.5) "
+            f"| threads | kernel | GB/s | G elem/s | STREAM copy GB/s | fraction of {_bar(k)} (goal >= 0.5) "
             "| same, CPU time | torch copy_ GB/s | fraction of torch copy_ | reference GB/s |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
@@ -589,8 +608,8 @@ def markdown(res: dict[str, Any]) -> str:
         for name, curve in f["curves"].items():
             lines.append(f"| {name} | " + " | ".join(f"{curve[t - 1]:.3f}" for t in marks) + " |")
         lines.append("")
-    if "convergence" in res:
-        c = res["convergence"]
+    for key in _convergence_keys(res):
+        c = res[key]
         lines += [
             f"## Convergence: demo GPT, 2 ranks, ZeRO 2, {len(c[0]['losses'])} steps, "
             f"{len(c[0]['seeds'])} seeds (means; per seed in brackets), LoCo group size {c[1].get('group_size', 128)}",
@@ -616,7 +635,8 @@ def plot(res: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [k for k in ("bytes", "kernels", "feedback", "convergence") if k in res]
+    conv = _convergence_keys(res)
+    panels = [k for k in ("bytes", "kernels", "feedback") if k in res] + conv[:1]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
     for ax, key in zip(axes[0], panels, strict=True):
         if key == "bytes":
@@ -648,7 +668,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
                 ax.bar(xs, fr, width, label=f"{n_threads} thread(s)")
             ax.axhline(0.5, color="k", ls="--", lw=1, label="goal")
             ax.set_xticks(range(len(names)), [name.split(" ")[0] for name in names], rotation=15)
-            ax.set_ylabel("bytes/s as a fraction of STREAM copy")
+            ax.set_ylabel(f"bytes/s as a fraction of {_bar(res['kernels'])}")
             ax.set_title("CPU kernels")
         elif key == "feedback":
             for name, curve in res["feedback"]["curves"].items():
@@ -658,14 +678,14 @@ def plot(res: dict[str, Any], path: Path) -> None:
             ax.set_yscale("log")
             ax.set_title("error feedback, biased 4-bit stream")
         else:
-            for r in res["convergence"]:
+            for r in res[key]:
                 ys = r["losses"]
                 smooth = [
                     sum(ys[max(0, i - 9) : i + 1]) / len(ys[max(0, i - 9) : i + 1]) for i in range(len(ys))
                 ]
                 ax.plot(range(1, len(ys) + 1), smooth, label=r["run"])
             ax.set_xlabel("step")
-            ax.set_ylabel(f"train loss (10-step mean, mean of {len(res['convergence'][0]['seeds'])} seeds)")
+            ax.set_ylabel(f"train loss (10-step mean, mean of {len(res[key][0]['seeds'])} seeds)")
             ax.set_title("convergence, demo GPT, 2 ranks, ZeRO 2")
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -698,24 +718,18 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/bench_loco.py " + " ".join(argv if argv is not None else sys.argv[1:])
     res: dict[str, Any] = {
         "meta": {
+            "format": FORMAT,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
             "torch": torch.__version__,
             "sections": {},
         }
     }
-    if args.keep and (OUT / "bench_loco.json").exists():
-        old = json.loads((OUT / "bench_loco.json").read_text())
-        for name in SECTIONS:
-            if name in old and name not in only:
-                res[name] = old[name]
-                res["meta"]["sections"][name] = old["meta"].get("sections", {}).get(name) or {
-                    k: old["meta"].get(k) for k in ("date", "command", "load")
-                }
     for name in SECTIONS:
         if name not in only:
             continue
         t0 = time.time()
         load = os.getloadavg()[0]
+        key = name
         if name == "kernels":
             res["kernels"] = bench_kernels()
         elif name == "feedback":
@@ -725,17 +739,21 @@ def main(argv: list[str] | None = None) -> int:
             if not args.no_4_ranks:
                 res["bytes"] += bench_bytes(4, (3,))
                 res["bytes"] += bench_bytes(4, (3,), {"hierarchy": "two_level", "node_size": 2})
-        else:
-            res["convergence"] = bench_convergence(args.steps, args.seeds, args.group_size)
-        res["meta"]["sections"][name] = {
+        else:  # one key per group size, so --keep holds runs with different group sizes side by side
+            key = "convergence" if args.group_size == 128 else f"convergence_g{args.group_size}"
+            res[key] = bench_convergence(args.steps, args.seeds, args.group_size)
+        res["meta"]["sections"][key] = {
             "date": time.strftime("%Y-%m-%d %H:%M", time.localtime(t0)),
             "command": command,
             "load": f"{load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end",
             "seconds": round(time.time() - t0),
         }
-        print(f"{name} done ({time.time() - t0:.0f} s)", flush=True)
+        print(f"{key} done ({time.time() - t0:.0f} s)", flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "bench_loco.json").write_text(json.dumps(res, indent=1))
+    path = OUT / "bench_loco.json"
+    if args.keep and path.exists():  # read now, not at the start: another --keep run may have written since
+        _keep_older(res, json.loads(path.read_text()))
+    path.write_text(json.dumps(res, indent=1))
     text = markdown(res)
     (OUT / "bench_loco.md").write_text(text + "\n")
     print(text)

@@ -39,9 +39,9 @@ void check_groups(int64_t ngroups) {
 void quantize_ef_cuda(const at::Tensor& g_in, const at::Tensor& e, const at::Tensor& e_scale, double beta,
                       int64_t bits, int64_t group_size, int64_t row_len, const at::Tensor& q, const at::Tensor& scale) {
   check_params(bits, group_size);
+  check_cuda(g_in, "g");
   const c10::DeviceGuard guard(g_in.device());
   const int64_t G = group_size;
-  check_cuda(g_in, "g");
   const at::Tensor g = g_in.contiguous();
   const QefShape shape = qef_shape(g, q, row_len, G);
   for (const auto* t : {&e, &e_scale, &q, &scale}) check_device(*t, g, "every tensor");
