@@ -124,19 +124,11 @@ def load(device_type: str = "cpu") -> bool:
 
 
 def load_distributed(device_type: str = "cpu") -> bool:
-    """:func:`load` with the first local rank building while the others wait at a barrier."""
-    import torch.distributed as dist
+    """:func:`load` with local rank 0 of each machine building while the other ranks wait; they
+    then load its cached build (or try again themselves where it failed)."""
+    from zerohooks.jit import local_rank0_first
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return load(device_type)
-    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
-    if local_rank == 0:
-        ok = load(device_type)
-        dist.barrier()
-    else:
-        dist.barrier()
-        ok = load(device_type)
-    return ok
+    return bool(local_rank0_first(lambda build=True: load(device_type)))
 
 
 def available(device_type: str) -> bool:

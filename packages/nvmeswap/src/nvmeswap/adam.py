@@ -163,9 +163,9 @@ def build_error() -> str | None:
 def load_distributed() -> bool:
     """:func:`load`, built by local rank 0 while the other ranks of its machine wait (and give up
     without building when it failed)."""
-    from nvmeswap.io import rank0_first
+    from zerohooks.jit import local_rank0_first
 
-    return bool(rank0_first(load))
+    return bool(local_rank0_first(load))
 
 
 def _fake(*args: Any) -> None:

@@ -63,6 +63,15 @@ class IOEngine(Protocol):
     def pending(self) -> int: ...
 
 
+def _warn_fallback(reason: str) -> None:
+    warnings.warn(
+        f"nvmeswap: the C++ I/O engine is not used ({reason.splitlines()[0][:300]}); "
+        "using the pure-Python engine instead (same files, slower)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 def load_native(build: bool = True) -> Any:
     """Build (once per process) and return the C++ module, or None when it cannot be built;
     ``build=False`` gives up without trying (local rank 0 of this machine tried and failed)."""
@@ -76,11 +85,7 @@ def load_native(build: bool = True) -> Any:
             return None
         if not build:
             _error = "its build failed on local rank 0 of this machine"
-            warnings.warn(
-                f"nvmeswap: the C++ I/O engine is not used ({_error}); using the pure-Python engine",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            _warn_fallback(_error)
             return None
         try:
             from torch.utils.cpp_extension import load
@@ -93,40 +98,16 @@ def load_native(build: bool = True) -> Any:
             )
         except Exception as e:  # no compiler, build or load error: fall back, never crash
             _error = f"{type(e).__name__}: {e}"
-            warnings.warn(
-                f"nvmeswap: could not build the C++ I/O engine ({_error.splitlines()[0][:300]}); "
-                "using the pure-Python engine instead (same files, slower)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            _warn_fallback(f"could not build it: {_error}")
             _native = None
         return _native
 
 
-def rank0_first(load: Any) -> Any:
-    """``load()`` on local rank 0 of each machine first while the other ranks wait, then
-    ``load(build=ok)`` on them, ``ok`` saying whether their machine's local rank 0 succeeded (a
-    JIT build then happens once per machine, and a failed one is not retried by every rank)."""
-    import socket
-
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return load()
-    first = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
-    out = load() if first else None
-    host = socket.gethostname()
-    seen: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, (host, first, bool(out)))  # also the barrier
-    if first:
-        return out
-    mine = [ok for h, is_first, ok in seen if h == host and is_first]
-    return load(build=mine[0] if mine else True)
-
-
 def load_native_distributed() -> Any:
-    """:func:`load_native`, built by local rank 0 while the other ranks wait."""
-    return rank0_first(load_native)
+    """:func:`load_native`, built by local rank 0 of each machine while the other ranks wait."""
+    from zerohooks.jit import local_rank0_first
+
+    return local_rank0_first(load_native)
 
 
 def build_error() -> str | None:
