@@ -207,14 +207,7 @@ def bench_kernels(n: int = 1 << 24, repeats: int = 7) -> dict[str, Any]:
 
     built = ops.load("cpu")
     G = 128
-    g = torch.randn(n).to(torch.bfloat16)
-    e, es = torch.zeros(n, dtype=torch.int8), torch.zeros(n // G)
-    q, s = torch.empty(1, n // 2, dtype=torch.uint8), torch.empty(1, n // G)
-    sources = 2
-    rq = torch.randint(0, 256, (sources, n // 2), dtype=torch.uint8)
-    rs = torch.rand(sources, n // G)
-    q2, s2 = torch.empty(1, n // 2, dtype=torch.uint8), torch.empty(1, n // G)
-    out = torch.empty(n, dtype=torch.bfloat16)
+    kernels = _kernel_cases("cpu", n, G)
     # written, not torch.empty: untouched pages all map the kernel's one zero page, which stays in
     # cache, and a copy that reads them runs ~1.5x faster than one reading memory
     src = torch.ones(1 << 25)  # 128 MiB fp32
@@ -223,22 +216,6 @@ def bench_kernels(n: int = 1 << 24, repeats: int = 7) -> dict[str, Any]:
     stream = _stream_copy()
     sa = torch.ones(1 << 24, dtype=torch.float64)  # 128 MiB each
     sc = torch.zeros_like(sa)
-    scale_bytes = 4 * n / G
-    kernels = {
-        # bytes read + written per call
-        "quantize_ef (bf16 in, int8 error, 4-bit out)": (
-            lambda use: ops.quantize_ef(g, e, es, 0.8, 4, G, n, q, s, use_kernels=use),
-            n * 2 + (n + scale_bytes) * 2 + n / 2 + scale_bytes,
-        ),
-        "dequant_reduce_requant (2 sources, int8 error)": (
-            lambda use: ops.dequant_reduce_requant(rq, rs, e, es, 0.8, 4, G, q2, s2, use_kernels=use),
-            sources * (n / 2 + scale_bytes) + (n + scale_bytes) * 2 + n / 2 + scale_bytes,
-        ),
-        "dequant_reduce (2 sources, bf16 out)": (
-            lambda use: ops.dequant_reduce(rq, rs, 4, G, 2.0, out, use_kernels=use),
-            sources * (n / 2 + scale_bytes) + 2 * n,
-        ),
-    }
 
     def best(fn: Any, clock: Any = time.perf_counter) -> float:
         fn()
@@ -301,6 +278,37 @@ def bench_kernels(n: int = 1 << 24, repeats: int = 7) -> dict[str, Any]:
     return results
 
 
+def _kernel_cases(device: str, n: int, G: int = 128, sources: int = 2) -> dict[str, tuple[Any, float]]:
+    """The three kernels on ``n`` elements of ``device``: name -> (``fn(use_kernels)``, bytes one
+    call reads and writes)."""
+    import torch
+
+    from loco import ops
+
+    g = torch.randn(n).to(device=device, dtype=torch.bfloat16)
+    e, es = torch.zeros(n, dtype=torch.int8, device=device), torch.zeros(n // G, device=device)
+    q, s = torch.empty(1, n // 2, dtype=torch.uint8, device=device), torch.empty(1, n // G, device=device)
+    rq = torch.randint(0, 256, (sources, n // 2), dtype=torch.uint8).to(device)
+    rs = torch.rand(sources, n // G).to(device)
+    q2, s2 = torch.empty_like(q), torch.empty_like(s)
+    out = torch.empty(n, dtype=torch.bfloat16, device=device)
+    sb = 4 * n / G  # bytes of one fp32 scale per group
+    return {
+        "quantize_ef (bf16 in, int8 error, 4-bit out)": (
+            lambda use: ops.quantize_ef(g, e, es, 0.8, 4, G, n, q, s, use_kernels=use),
+            n * 2 + (n + sb) * 2 + n / 2 + sb,
+        ),
+        "dequant_reduce_requant (2 sources, int8 error)": (
+            lambda use: ops.dequant_reduce_requant(rq, rs, e, es, 0.8, 4, G, q2, s2, use_kernels=use),
+            sources * (n / 2 + sb) + (n + sb) * 2 + n / 2 + sb,
+        ),
+        "dequant_reduce (2 sources, bf16 out)": (
+            lambda use: ops.dequant_reduce(rq, rs, 4, G, 2.0, out, use_kernels=use),
+            sources * (n / 2 + sb) + 2 * n,
+        ),
+    }
+
+
 def bench_cuda_kernels(n: int = 1 << 26, repeats: int = 20) -> dict[str, Any]:
     """The same three kernels on a CUDA device (64 M elements), bytes per second as a fraction of
     the device's copy of a 256 MiB fp32 buffer, timed with CUDA events (goal >= 0.7).  A dict
@@ -313,31 +321,11 @@ def bench_cuda_kernels(n: int = 1 << 26, repeats: int = 20) -> dict[str, Any]:
         return {"skipped": "no CUDA device"}
     if not ops.load("cuda"):
         return {"skipped": f"the CUDA kernels did not build: {ops.build_error('cuda')}"}
-    dev, G, sources = "cuda", 128, 2
-    g = torch.randn(n, device=dev).to(torch.bfloat16)
-    e, es = torch.zeros(n, dtype=torch.int8, device=dev), torch.zeros(n // G, device=dev)
-    q, s = torch.empty(1, n // 2, dtype=torch.uint8, device=dev), torch.empty(1, n // G, device=dev)
-    rq = torch.randint(0, 256, (sources, n // 2), dtype=torch.uint8, device=dev)
-    rs = torch.rand(sources, n // G, device=dev)
-    q2, s2 = torch.empty_like(q), torch.empty_like(s)
-    out = torch.empty(n, dtype=torch.bfloat16, device=dev)
-    src = torch.ones(n, device=dev)
-    dst = torch.empty_like(src)
-    sb = 4 * n / G
     kernels = {
-        "quantize_ef (bf16 in, int8 error, 4-bit out)": (
-            lambda: torch.ops.loco.quantize_ef(g, e, es, 0.8, 4, G, n, q, s),
-            n * 2 + (n + sb) * 2 + n / 2 + sb,
-        ),
-        "dequant_reduce_requant (2 sources, int8 error)": (
-            lambda: torch.ops.loco.dequant_reduce_requant(rq, rs, e, es, 0.8, 4, G, q2, s2),
-            sources * (n / 2 + sb) + (n + sb) * 2 + n / 2 + sb,
-        ),
-        "dequant_reduce (2 sources, bf16 out)": (
-            lambda: torch.ops.loco.dequant_reduce(rq, rs, 4, G, 2.0, out),
-            sources * (n / 2 + sb) + 2 * n,
-        ),
+        name: (lambda fn=fn: fn(True), moved) for name, (fn, moved) in _kernel_cases("cuda", n).items()
     }
+    src = torch.ones(n, device="cuda")
+    dst = torch.empty_like(src)
 
     def timed(fn: Any) -> float:
         fn()
