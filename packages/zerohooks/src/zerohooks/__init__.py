@@ -13,10 +13,12 @@ from zerohooks._compat import SUPPORTED_DEEPSPEED, check_deepspeed_version, next
 
 check_deepspeed_version(_deepspeed.__version__)
 
-from zerohooks.adapter import Attachment, attachment_of, detach  # noqa: E402
+from zerohooks.adapter import Attachment, attachment_of, detach, step_context  # noqa: E402
 from zerohooks.config import ENTRY_POINT_GROUP, KNOWN_PLUGINS, available_plugins  # noqa: E402
 from zerohooks.counters import CommCounters  # noqa: E402
+from zerohooks.enable import enable, enabled  # noqa: E402
 from zerohooks.errors import (  # noqa: E402
+    CheckpointStateError,
     ConfigError,
     DeepSpeedInternalMissing,
     PluginNotInstalledError,
@@ -35,6 +37,7 @@ __all__ = [
     "KNOWN_PLUGINS",
     "SUPPORTED_DEEPSPEED",
     "Attachment",
+    "CheckpointStateError",
     "CommCounters",
     "ConfigError",
     "DeepSpeedInternalMissing",
@@ -54,6 +57,9 @@ __all__ = [
     "attachment",
     "available_plugins",
     "detach",
+    "enable",
+    "enabled",
     "initialize",
     "next_loss_scale",
+    "step_context",
 ]

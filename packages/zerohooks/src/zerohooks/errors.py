@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "DeepSpeedInternalMissing", "PluginNotInstalledError", "UnsupportedDeepSpeedError"]
+__all__ = [
+    "CheckpointStateError",
+    "ConfigError",
+    "DeepSpeedInternalMissing",
+    "PluginNotInstalledError",
+    "UnsupportedDeepSpeedError",
+]
 
 
 class ConfigError(ValueError):
@@ -19,3 +25,8 @@ class UnsupportedDeepSpeedError(ImportError):
 
 class DeepSpeedInternalMissing(RuntimeError):
     """A DeepSpeed internal the adapter relies on does not exist in the installed version."""
+
+
+class CheckpointStateError(RuntimeError):
+    """A checkpoint's plugin state does not match the plugins of the engine loading it (state
+    saved by plugins that are not enabled now, or plugins enabled now whose state is missing)."""

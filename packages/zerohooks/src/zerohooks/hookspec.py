@@ -63,15 +63,25 @@ class SetupContext:
 
 
 class StepContext:
-    """Where training is when a step-time hook fires: a live view of the engine's counters."""
+    """Where training is when a step-time hook fires: a live view of the engine's counters.
 
-    __slots__ = ("engine", "zero_stage")
+    The micro-step position is counted by the adapter from the engine's ``backward`` and ``step``
+    calls, not read from ``engine.micro_steps``: DeepSpeed increments that in ``engine.step()``,
+    which accelerate (hence Hugging Face Trainer) calls only at accumulation boundaries, after
+    ``engine.set_gradient_accumulation_boundary(...)``.  Both ways of driving the engine give the
+    same :attr:`micro_step` and :attr:`window_micro_step` here.
+    """
+
+    __slots__ = ("_micro", "_pending", "_window", "engine", "zero_stage")
 
     def __init__(self, engine: Any, zero_stage: int) -> None:
         self.engine = engine
         """The DeepSpeedEngine."""
         self.zero_stage = zero_stage
         """ZeRO stage of the engine."""
+        self._micro = int(getattr(engine, "micro_steps", 0) or 0)
+        self._pending = False  # a backward pass ended and no step()/backward has counted it yet
+        self._window = 0  # backward passes since the last optimizer step
 
     @property
     def global_step(self) -> int:
@@ -80,8 +90,52 @@ class StepContext:
 
     @property
     def micro_step(self) -> int:
-        """Backward passes taken so far (``engine.micro_steps``)."""
-        return int(self.engine.micro_steps)
+        """Backward passes taken so far, counted as DeepSpeed's documented loop counts
+        ``engine.micro_steps`` (one ``backward`` + ``step`` per micro-batch): during the k-th
+        backward pass (from 0) it is k, and it becomes k + 1 at the following ``step()`` or
+        ``backward``, whichever comes first."""
+        return self._micro
+
+    @property
+    def window_micro_step(self) -> int:
+        """Backward passes taken since the last optimizer step: 0 at an accumulation boundary
+        (after the optimizer step), ``k`` after the k-th backward pass of an unfinished window."""
+        return self._window
+
+    @property
+    def in_window(self) -> bool:
+        """True between the micro-steps of an accumulation window (not at a boundary)."""
+        return self._window != 0
+
+    # -- fed by the adapter ------------------------------------------------------------------
+    def _commit(self) -> None:
+        if self._pending:
+            self._pending = False
+            self._micro += 1
+
+    def begin_backward(self) -> None:
+        """Adapter: a backward pass starts (``engine.backward`` or DeepSpeed's backward prologue;
+        a second call in the same pass does nothing)."""
+        self._commit()
+
+    def end_backward(self) -> None:
+        """Adapter: DeepSpeed's backward epilogue (the end of a backward pass) returned."""
+        self._pending = True
+        self._window += 1
+
+    def end_engine_step(self) -> None:
+        """Adapter: ``engine.step()`` returned (at a boundary or not)."""
+        self._commit()
+
+    def optimizer_stepped(self) -> None:
+        """Adapter: the optimizer step of a boundary ran (or was skipped on overflow)."""
+        self._window = 0
+
+    def restore(self, micro_step: int, window_micro_step: int) -> None:
+        """Set the position (checkpoint load); the saved run was between two micro-steps."""
+        self._micro = int(micro_step)
+        self._pending = False
+        self._window = int(window_micro_step)
 
     @property
     def is_boundary(self) -> bool:

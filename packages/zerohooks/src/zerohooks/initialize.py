@@ -12,6 +12,7 @@ import torch
 
 from zerohooks.adapter import attach, detach
 from zerohooks.config import load_config, split_plugin_sections
+from zerohooks.enable import original_initialize
 from zerohooks.errors import ConfigError
 from zerohooks.hookspec import SetupContext
 from zerohooks.plugin import ZeroPlugin
@@ -61,9 +62,8 @@ def initialize(*args: Any, plugins: Sequence[ZeroPlugin] = (), **kwargs: Any) ->
     adapter attaches the plugins' hooks to it.  ``plugins`` adds plugin objects built in code.
     Without any plugin, training is bit-for-bit what ``deepspeed.initialize`` gives.
     """
-    import deepspeed
-
-    bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
+    ds_initialize = original_initialize()  # DeepSpeed's own function, never a router: no recursion
+    bound = inspect.signature(ds_initialize).bind(*args, **kwargs)
     params = bound.arguments
     ds_args = params.get("args")
     source: Any = params.get("config")
@@ -119,7 +119,7 @@ def initialize(*args: Any, plugins: Sequence[ZeroPlugin] = (), **kwargs: Any) ->
             client.param_groups[:] = groups
     if source is not None:
         params["config"] = ds_config
-    result = deepspeed.initialize(*bound.args, **bound.kwargs)
+    result = ds_initialize(*bound.args, **bound.kwargs)
     engine = result[0]
     attach(engine, registry, ctx, enabled)
     try:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerohooks.adapter.base import Attachment, attachment_of
+from zerohooks.adapter.base import Attachment, attachment_of, step_context
 from zerohooks.hookspec import SetupContext
 from zerohooks.plugin import ZeroPlugin
 from zerohooks.registry import HookRegistry
 
-__all__ = ["Attachment", "attach", "attachment_of", "detach"]
+__all__ = ["Attachment", "attach", "attachment_of", "detach", "step_context"]
 
 
 def attach(engine: Any, registry: HookRegistry, setup: SetupContext, plugins: list[ZeroPlugin]) -> Attachment:

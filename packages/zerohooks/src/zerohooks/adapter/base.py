@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +16,7 @@ from zerohooks.hookspec import ReduceBucket, SetupContext, StepContext
 from zerohooks.plugin import ZeroPlugin
 from zerohooks.registry import HookRegistry
 
-__all__ = ["Attachment", "attachment_of"]
+__all__ = ["Attachment", "attachment_of", "step_context"]
 
 _MISSING = object()
 _attachments: weakref.WeakKeyDictionary[Any, Attachment] = weakref.WeakKeyDictionary()
@@ -24,6 +25,15 @@ _attachments: weakref.WeakKeyDictionary[Any, Attachment] = weakref.WeakKeyDictio
 def attachment_of(engine: Any) -> Attachment | None:
     """The :class:`Attachment` of ``engine``, or None when zerohooks did not build it."""
     return _attachments.get(engine)
+
+
+def step_context(engine: Any) -> StepContext:
+    """The live :class:`StepContext` of an engine zerohooks is attached to (micro-step position,
+    window position, global step); ValueError for an engine zerohooks did not build."""
+    att = _attachments.get(engine)
+    if att is None:
+        raise ValueError("this engine has no zerohooks attachment (was it built by zerohooks.initialize?)")
+    return att.step_ctx
 
 
 class Attachment:
@@ -52,7 +62,12 @@ class Attachment:
         original = require_attr(obj, name, what)
         previous = obj.__dict__.get(name, _MISSING)
         self._patches.append((obj, name, previous))
-        setattr(obj, name, make(original))
+        wrapper = make(original)
+        if callable(original) and callable(wrapper):
+            # keep the original's name, docstring and signature (frameworks inspect them, e.g.
+            # transformers looks for save_checkpoint's exclude_frozen_parameters)
+            functools.update_wrapper(wrapper, original)
+        setattr(obj, name, wrapper)
 
     def keep_handle(self, handle: Any) -> None:
         """Remember a torch hook handle to remove on detach."""
@@ -136,6 +151,7 @@ class Attachment:
                     fn(ctx)
                 skipped_before = engine.skipped_steps
                 out = original(*args, **kwargs)
+                ctx.optimizer_stepped()
                 skipped = engine.skipped_steps != skipped_before
                 for after in reg.after_step.frozen:
                     after(ctx, skipped)
@@ -145,6 +161,40 @@ class Attachment:
             return _take_model_step
 
         self.patch(engine, "_take_model_step", make_step, "DeepSpeedEngine")
+
+        def make_begin(original: Callable[..., Any]) -> Callable[..., Any]:
+            def begin(*args: Any, **kwargs: Any) -> Any:
+                ctx.begin_backward()
+                return original(*args, **kwargs)
+
+            return begin
+
+        def make_end(original: Callable[..., Any]) -> Callable[..., Any]:
+            def end(*args: Any, **kwargs: Any) -> Any:
+                out = original(*args, **kwargs)
+                ctx.end_backward()
+                return out
+
+            return end
+
+        def make_engine_step(original: Callable[..., Any]) -> Callable[..., Any]:
+            def step(*args: Any, **kwargs: Any) -> Any:
+                out = original(*args, **kwargs)
+                ctx.end_engine_step()
+                return out
+
+            return step
+
+        # The micro-step position (StepContext) is counted here, whichever way the engine is
+        # driven: step() every micro-step, or only at boundaries (accelerate, HF Trainer), with
+        # engine.backward(loss) or a direct loss.backward().  A backward pass begins at
+        # engine.backward or at DeepSpeed's once-per-backward prologue (fired from the forward
+        # output's hook), whichever comes first (beginning twice counts once), and ends after
+        # DeepSpeed's epilogue, which runs the boundary reduction of ZeRO 0/1.
+        self.patch(engine, "backward", make_begin, "DeepSpeedEngine")
+        self.patch(engine, "_backward_prologue", make_begin, "DeepSpeedEngine")
+        self.patch(engine, "_backward_epilogue", make_end, "DeepSpeedEngine")
+        self.patch(engine, "step", make_engine_step, "DeepSpeedEngine")
         require_attr(engine, "skipped_steps", "DeepSpeedEngine")
 
         from zerohooks.adapter.checkpoint import install_checkpoint_patches

@@ -103,7 +103,9 @@ class RecordingPlugin(ZeroPlugin):
             registry.register_reducer(_RecordingReducer(self), name=self.name)
 
     def engine_ready(self, engine: Any, registry: HookRegistry) -> None:
-        self.ctx = StepContext(engine, 0)
+        from zerohooks.adapter import step_context
+
+        self.ctx = step_context(engine)
         self._record("engine_ready", None, engine_type=type(engine).__name__)
 
     def _prepare(self, model: nn.Module, ctx: SetupContext) -> None:

@@ -127,6 +127,25 @@ def train(engine: Any, steps: int, gas: int, first: int = 0, **batch_kwargs: Any
     return losses
 
 
+def train_like_accelerate(
+    engine: Any, steps: int, gas: int, first: int = 0, **batch_kwargs: Any
+) -> list[float]:
+    """:func:`train` driven as accelerate (hence Hugging Face Trainer) drives the engine: the
+    boundary set explicitly before every backward, ``engine.step()`` only at the boundary."""
+    rank = int(os.environ.get("RANK", "0"))
+    losses = []
+    for s in range(first, first + steps):
+        for m in range(gas):
+            tokens, target = batch(s, m, rank, **batch_kwargs)
+            engine.set_gradient_accumulation_boundary(m == gas - 1)
+            loss = loss_fn(engine, tokens, target)
+            engine.backward(loss)
+            if m == gas - 1:
+                engine.step()
+            losses.append(float(loss.detach()))
+    return losses
+
+
 def full_params(engine: Any, stage: int) -> list[torch.Tensor]:
     """Every parameter (gathered on ZeRO 3), then the fp32 masters where DeepSpeed keeps them."""
     import deepspeed
