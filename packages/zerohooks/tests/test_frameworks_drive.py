@@ -230,3 +230,42 @@ def test_run_module_runs_a_script_with_enable(tmp_path) -> None:
         timeout=300,
     )
     assert bad.returncode != 0 and "is not a file" in bad.stderr
+
+
+@pytest.mark.multirank
+@distributed(world_size=2)
+def test_engines_without_a_zero_optimizer() -> None:
+    """Configs for which DeepSpeed builds another optimizer than the ZeRO one: with no plugin,
+    zerohooks.initialize gives what deepspeed.initialize gives; a plugin that hooks into the ZeRO
+    optimizer is refused naming what DeepSpeed built.  Oracle: deepspeed.initialize itself."""
+    rank = int(os.environ["RANK"])
+    # bf16 + ZeRO 1 + grad_accum_dtype fp32: DeepSpeed picks BF16_Optimizer
+    cfg = ds_config(1, "bf16", data_types={"grad_accum_dtype": "fp32"})
+    engines = []
+    for init in (deepspeed.initialize, zerohooks.initialize):
+        model = make_model()
+        engine, *_ = init(model=model, model_parameters=model.parameters(), config=cfg)
+        engines.append(engine)
+    assert type(engines[0].optimizer).__name__ == "BF16_Optimizer"
+    assert train(engines[1], 2, 2) == train(engines[0], 2, 2)
+    model = make_model()
+    with pytest.raises(zerohooks.ConfigError, match=r"'recording'.*BF16_Optimizer.*grad_accum_dtype"):
+        zerohooks.initialize(
+            model=model, model_parameters=model.parameters(), config=cfg, plugins=[RecordingPlugin()]
+        )
+
+    # ZeRO 3 without an optimizer (parameters offloaded to the CPU): DeepSpeedZeRoOffload, inference
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
+    }
+    outs = []
+    for init in (deepspeed.initialize, zerohooks.initialize):
+        engine, *_ = init(model=make_model(), config=cfg)
+        tokens, _ = batch(0, 0, rank)
+        with torch.no_grad():
+            outs.append(engine(tokens).float())
+    assert torch.equal(outs[0], outs[1])
+    with pytest.raises(zerohooks.ConfigError, match=r"'recording'.*no optimizer|'recording'.*ZeRoOffload"):
+        zerohooks.initialize(model=make_model(), config=cfg, plugins=[RecordingPlugin()])
