@@ -53,7 +53,7 @@ def attach(engine: Any, registry: HookRegistry, setup: SetupContext, plugins: li
     expected = _expected_optimizer(stage)
     opt = getattr(engine, "optimizer", None)
     stage_ok = expected is None or isinstance(opt, expected)
-    if not stage_ok:
+    if expected is not None and not stage_ok:
         needing = _stage_plugins(registry)
         if needing:
             built = "no optimizer" if opt is None else f"{type(opt).__module__}.{type(opt).__qualname__}"
