@@ -59,6 +59,30 @@ def test_missing_plugin_names_the_distribution() -> None:
         split_plugin_sections({"loco": {"bits": 4}}, {})
 
 
+@pytest.mark.parametrize(
+    "key", ["lcoo", "Loco", "loco ", "LOCO", "nvme_swap", "accum_dtype", "Mixed-Layers", "autocast"]
+)
+def test_misspelt_or_recased_section_is_refused_with_the_close_match(key: str) -> None:
+    # DeepSpeed would ignore such a key without a word and train without the plugin
+    cfg = {"train_batch_size": 8, key: {"bits": 4}}
+    with pytest.raises(ConfigError, match=rf'"{key}" section.*did you mean "'):
+        split_plugin_sections(cfg, {"accumdtype": DemoPlugin})
+
+
+@pytest.mark.parametrize(
+    "key", ["local_rank", "amp", "bf16", "zero_optimization", "my_own_tool", "data_types"]
+)
+def test_other_top_level_keys_pass_through(key: str) -> None:
+    cfg = {key: {"enabled": True}}
+    assert split_plugin_sections(cfg, {"accumdtype": DemoPlugin}) == [] and key in cfg
+
+
+@pytest.mark.parametrize("value", ["false", "true", 0, 1, None, "no"])
+def test_enabled_must_be_a_json_boolean(value: object) -> None:
+    with pytest.raises(ConfigError, match=r'"accumdtype\.enabled" must be the JSON boolean'):
+        split_plugin_sections({"accumdtype": {"enabled": value}}, {"accumdtype": DemoPlugin})
+
+
 def test_section_must_be_an_object() -> None:
     with pytest.raises(ConfigError, match='"accumdtype" section must be a JSON object'):
         split_plugin_sections({"accumdtype": [1, 2]}, {"accumdtype": DemoPlugin})

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import difflib
+import importlib
 import json
 import os
+import re
 from collections.abc import Mapping
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
@@ -15,7 +17,14 @@ import pydantic
 from zerohooks.errors import ConfigError, PluginNotInstalledError
 from zerohooks.plugin import ZeroPlugin
 
-__all__ = ["ENTRY_POINT_GROUP", "KNOWN_PLUGINS", "available_plugins", "load_config", "split_plugin_sections"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "KNOWN_PLUGINS",
+    "available_plugins",
+    "check_misspelt_sections",
+    "load_config",
+    "split_plugin_sections",
+]
 
 ENTRY_POINT_GROUP = "zerohooks.plugins"
 """Entry-point group under which plugin distributions register their ``ZeroPlugin`` class."""
@@ -102,6 +111,68 @@ def _format_validation_error(
     return "\n".join(lines)
 
 
+def _normalised(key: str) -> str:
+    return re.sub(r"[\s_\-]", "", key.lower())
+
+
+def _deepspeed_keys() -> set[str]:
+    """Config key names DeepSpeed defines (its constants modules), so that none is mistaken for a
+    misspelt plugin section."""
+    keys: set[str] = set()
+    for name in (
+        "deepspeed.runtime.constants",
+        "deepspeed.runtime.config",
+        "deepspeed.runtime.precision_config",
+    ):
+        try:
+            module = importlib.import_module(name)
+        except Exception:
+            continue
+        keys.update(
+            v
+            for k, v in vars(module).items()
+            if k.isupper() and isinstance(v, str) and re.fullmatch(r"[a-z0-9_]+", v)
+        )
+    return keys
+
+
+def check_misspelt_sections(ds_config: Mapping[str, Any], names: set[str]) -> None:
+    """Refuse a top-level key that is neither DeepSpeed's nor a plugin's but is a plugin's name in
+    another case or spacing (``"Loco"``, ``"loco "``, ``"nvme_swap"``) or a close misspelling
+    (``"lcoo"``): DeepSpeed would ignore it without a word and the run would train without the plugin."""
+    plugins = sorted(names | set(KNOWN_PLUGINS))
+    candidates = {_normalised(p): p for p in plugins}
+    ds_keys: set[str] | None = None
+    for key in ds_config:
+        if not isinstance(key, str) or key in candidates.values():
+            continue
+        norm = _normalised(key)
+        close = (
+            [candidates[norm]]
+            if norm in candidates
+            else difflib.get_close_matches(norm, candidates, n=1, cutoff=0.75)
+        )
+        if not close:
+            continue
+        ds_keys = _deepspeed_keys() if ds_keys is None else ds_keys
+        if key in ds_keys:
+            continue
+        match = candidates.get(close[0], close[0])
+        raise ConfigError(
+            f'the DeepSpeed config has a top-level "{key}" section, which is neither a DeepSpeed setting nor a '
+            f'plugin section (DeepSpeed would ignore it and train without the plugin); did you mean "{match}"? '
+            f"Plugin sections are spelt exactly: {', '.join(plugins)}"
+        )
+
+
+def _check_enabled(key: str, section: Any) -> None:
+    if isinstance(section, dict) and "enabled" in section and not isinstance(section["enabled"], bool):
+        raise ConfigError(
+            f'"{key}.enabled" must be the JSON boolean true or false, not {section["enabled"]!r} '
+            f"({type(section['enabled']).__name__}); leave it out to enable the plugin"
+        )
+
+
 def split_plugin_sections(
     ds_config: dict[str, Any], plugins: Mapping[str, type[ZeroPlugin]] | None = None
 ) -> list[ZeroPlugin]:
@@ -110,13 +181,17 @@ def split_plugin_sections(
     A section is a plugin's when its key is an installed plugin's name or one of
     :data:`KNOWN_PLUGINS`.  A known section whose plugin is not installed raises
     :class:`PluginNotInstalledError` naming the distribution.  A section may be ``false`` or
-    ``{"enabled": false}`` to leave the plugin off.
+    ``{"enabled": false}`` to leave the plugin off (``enabled`` must be a JSON boolean).  A
+    top-level key that is a plugin's name in another case or spacing, or a close misspelling of
+    one, and not a DeepSpeed key, is a :class:`ConfigError` with the close match.
     """
     eps = _entry_points() if plugins is None else {}
     names = set(plugins) if plugins is not None else set(eps)
+    check_misspelt_sections(ds_config, names)
     built: list[ZeroPlugin] = []
     for key in sorted(set(ds_config) & (names | set(KNOWN_PLUGINS))):
         section = ds_config.pop(key)
+        _check_enabled(key, section)
         if section is False or (isinstance(section, dict) and section.get("enabled", True) is False):
             continue
         if key not in names:
