@@ -8,7 +8,7 @@ the I/O engine's throughput against fio; 2 gloo ranks, bf16 model, ZeRO 3.
   of parameters in its partition.  DeepSpeed: ``offload_optimizer: {"device": "nvme"}`` with its
   libaio swapper; nvmeswap (default: fp32 master + 2 moments swapped) and nvmeswap RAM mode
   (``keep_master_in_ram``: moments only), both with the fused Adam step (torch's AdamW, the
-  default ``fused_adam: "auto"``), and nvmeswap with ``fused_adam: false`` (DeepSpeed's step on an
+  default ``fused_adam: "when_supported"``), and nvmeswap with ``fused_adam: false`` (DeepSpeed's step on an
   fp32 gradient built from the 16-bit partition).
 * Step time: the same four engines, built side by side in each rank, each step timed in
   interleaved rounds (the order rotates) after two warm-up steps.  nvmeswap's last writes are

@@ -36,7 +36,7 @@ def _edited(stage: int, model: str, offload: bool = False, **section: Any) -> di
 
 def test_defaults_are_fp32_accumulation_and_matching_reduction() -> None:
     cfg = AccumDtypeConfig()
-    assert (cfg.dtype, cfg.reduce_dtype, cfg.allow_lossy) == ("fp32", "auto", False)
+    assert (cfg.dtype, cfg.reduce_dtype, cfg.allow_lossy) == ("fp32", "inherit", False)
     plan = _plan(2, "bf16")
     assert (plan.accum_dtype, plan.reduce_dtype, plan.deepspeed_comm_dtype) == (FP32, FP32, BF16)
     assert plan.set_comm_dtype  # DeepSpeed would reduce a bf16 model's gradients in bf16
@@ -69,6 +69,38 @@ def test_every_field_has_a_docstring() -> None:
 def test_dtype_aliases(given: str, expected: str) -> None:
     assert AccumDtypeConfig(dtype=given).dtype == expected  # type: ignore[arg-type]
     assert AccumDtypeConfig(reduce_dtype=given).reduce_dtype == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("ds", [{}, {"communication_data_type": "fp32"}, {"communication_data_type": "bf16"}])
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_reduce_dtype_absent_inherit_and_auto_are_the_same(stage: int, ds: dict[str, Any]) -> None:
+    plugins = {"accumdtype": AccumDtypePlugin}
+    plans, edited = [], []
+    for section in ({}, {"reduce_dtype": "inherit"}, {"reduce_dtype": "auto"}):
+        section = {**section, "allow_lossy": True}  # communication_data_type bf16 is lossy
+        (built,) = split_plugin_sections({"accumdtype": dict(section)}, plugins)
+        assert isinstance(built, AccumDtypePlugin)
+        assert built.cfg == AccumDtypeConfig(allow_lossy=True)  # "auto" is stored as "inherit"
+        assert built.cfg.reduce_dtype == "inherit"
+        plans.append(_plan(stage, "bf16", ds=copy.deepcopy(ds), **section))
+        edited.append(_edited(stage, "bf16", ds=copy.deepcopy(ds), **section))
+    assert plans[0] == plans[1] == plans[2]
+    assert edited[0] == edited[1] == edited[2]
+
+
+def test_bad_reduce_dtype_lists_the_accepted_words() -> None:
+    with pytest.raises(
+        ConfigError, match=r"accumdtype\.reduce_dtype: .*'inherit', 'fp32', 'bf16' or 'fp16'"
+    ) as err:
+        split_plugin_sections({"accumdtype": {"reduce_dtype": "deepspeed"}}, {"accumdtype": AccumDtypePlugin})
+    assert "got 'deepspeed'" in str(err.value)
+
+
+def test_lossy_reduction_names_the_fix() -> None:
+    with pytest.raises(ConfigError, match='set communication_data_type to "fp32" or remove it'):
+        _plan(2, "bf16", ds={"communication_data_type": "bf16"})
+    with pytest.raises(ConfigError, match='use reduce_dtype "fp32" or leave the key out'):
+        _plan(2, "bf16", reduce_dtype="bf16")
 
 
 def test_section_errors_name_the_key() -> None:
@@ -178,7 +210,7 @@ def test_deepspeed_keys_that_agree_or_conflict() -> None:
     assert _edited(1, "bf16", ds=copy.deepcopy(same))["data_types"] == {"param_dtype": "bf16"}
     assert _edited(2, "bf16", ds=copy.deepcopy(same))["data_types"]["grad_accum_dtype"] == "fp32"
     assert "data_types" not in _edited(0, "bf16", ds={"data_types": {"grad_accum_dtype": "float32"}})
-    # an explicit fp32 communication dtype is honoured by reduce_dtype "auto": no hook needed
+    # an explicit fp32 communication dtype is honoured by reduce_dtype "inherit": no hook needed
     plan = _plan(2, "bf16", ds={"communication_data_type": "fp32"})
     assert plan.reduce_dtype == FP32 and not plan.set_comm_dtype
 

@@ -291,9 +291,62 @@ def scale_rule_vs_deepspeed() -> list[tuple[int, int, int]]:
     return out
 
 
+def tiny_gpt2() -> Any:
+    """A 2-block Hugging Face GPT-2 (its linear layers are ``transformers.pytorch_utils.Conv1D``)."""
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def scenario_gpt2() -> dict[str, Any] | None:
+    """ZeRO 2 on Hugging Face GPT-2, one step: bytes per dtype against the Conv1D elements, and
+    the warnings of the default section and of one that leaves Conv1D out.  None without
+    transformers."""
+    import importlib.util
+    import warnings
+
+    if importlib.util.find_spec("transformers") is None:
+        return None
+    import zerohooks
+
+    rank = int(os.environ.get("RANK", "0"))
+    out: dict[str, Any] = {}
+    linear_only = {"lower_precision_safe_modules": ["torch.nn.Linear"]}
+    for name, section in (("default", {}), ("linear_only", linear_only)):
+        model = tiny_gpt2()
+        cfg = ds_config(2, "fp32", gas=1, sections={"autocastzero": section})
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            engine, *_ = zerohooks.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(rank))
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        conv = sum(
+            p.numel()
+            for m in engine.module.modules()
+            if type(m).__name__ == "Conv1D"
+            for p in m.parameters(recurse=False)
+        )
+        out[name] = {
+            "bytes": counted_bytes(engine),
+            "conv_numel": conv,
+            "numel": sum(p.numel() for p in engine.module.parameters()),
+            "warnings": [str(w.message) for w in seen if "autocastzero" in str(w.message)],
+            "loss": float(loss.detach()),
+        }
+        zerohooks.detach(engine)
+    return out
+
+
 def all_two_rank_scenarios(ckpt_dir: str) -> dict[str, Any]:
     """Every 2-rank scenario, in one launch."""
     res: dict[str, Any] = {"scale_rule": scale_rule_vs_deepspeed()}
+    res["gpt2"] = scenario_gpt2()
     for stage in STAGES:
         res[f"bf16_z{stage}"] = scenario_bf16(stage)
     for stage in STAGES:

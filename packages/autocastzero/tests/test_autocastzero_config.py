@@ -6,6 +6,10 @@ builds anything (no process group is needed to reach it).
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import types
+import warnings
 from typing import Any
 
 import pytest
@@ -13,7 +17,8 @@ import torch
 from torch import nn
 
 import zerohooks
-from autocastzero import AutocastZeroConfig, AutocastZeroPlugin, safe_parameters
+from autocastzero import DEFAULT_SAFE_MODULES, AutocastZeroConfig, AutocastZeroPlugin, safe_parameters
+from autocastzero.select import nothing_safe_message, warn_if_nothing_safe
 from zerohooks import ConfigError
 from zerohooks.testing.toy import ds_config, make_model
 
@@ -30,7 +35,8 @@ def test_plugin_is_found_by_entry_point() -> None:
 def test_defaults_and_aliases() -> None:
     cfg = AutocastZeroConfig.model_validate({"dtype": "bf16"})
     assert cfg.torch_dtype == torch.bfloat16
-    assert cfg.safe_classes() == (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    assert cfg.safe_classes()[:4] == (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    assert "transformers.pytorch_utils.Conv1D" in cfg.lower_precision_safe_modules
     assert AutocastZeroConfig.model_validate({"dtype": "fp16"}).torch_dtype == torch.float16
 
 
@@ -127,3 +133,128 @@ def test_tied_weight_is_safe_only_if_every_holder_is() -> None:
 def test_unmatched_glob_is_an_error() -> None:
     with pytest.raises(ConfigError, match=r"lower_precision_safe_names: \['blocks\.\*'\] match no module"):
         _names(Block(), lower_precision_safe_names=["blocks.*"])
+
+
+def test_transformers_classes_are_never_imported_by_autocastzero() -> None:
+    # in a fresh interpreter: the default section, the defaults listed explicitly, and the class
+    # lookup leave transformers unimported (a model holding its Conv1D would have imported it)
+    code = (
+        "import sys\n"
+        "from autocastzero import DEFAULT_SAFE_MODULES, AutocastZeroConfig\n"
+        "for cfg in (AutocastZeroConfig(), AutocastZeroConfig(lower_precision_safe_modules=DEFAULT_SAFE_MODULES)):\n"
+        "    assert len(cfg.safe_classes()) == 4, cfg.safe_classes()\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'transformers']\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_an_imported_only_class_is_found_once_its_module_is_imported(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a stand-in for transformers.pytorch_utils, so the rule is tested without transformers
+    class Conv1D(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(4, 3))
+            self.bias = nn.Parameter(torch.zeros(3))
+
+    if "transformers.pytorch_utils" not in sys.modules:
+        assert nn.Module not in AutocastZeroConfig().safe_classes()
+    fake = types.ModuleType("transformers.pytorch_utils")
+    fake.Conv1D = Conv1D  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "transformers.pytorch_utils", fake)
+    assert AutocastZeroConfig().safe_classes()[4:] == (Conv1D,)
+    model = nn.Sequential(Conv1D(), nn.LayerNorm(3))
+    assert _names(model) == {"0.weight", "0.bias"}
+    assert _names(model, lower_precision_safe_modules=["torch.nn.Linear"]) == set()
+
+
+class Conv1DLike(nn.Module):
+    """A linear layer autocastzero does not know: a model built of these has no safe module."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_in, n_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+def _unknown_layers() -> nn.Module:
+    return nn.Sequential(Conv1DLike(8, 16), nn.LayerNorm(16), Conv1DLike(16, 8))
+
+
+def test_warning_when_no_parameter_is_safe() -> None:
+    model = _unknown_layers()
+    cfg = AutocastZeroConfig()
+    safe = safe_parameters(model, cfg)
+    assert safe == {}
+    with pytest.warns(RuntimeWarning) as record:
+        warn_if_nothing_safe(model, cfg, safe, stage=2)
+    (w,) = record
+    text = str(w.message)
+    assert "no parameter of the model is lower-precision safe" in text
+    # the largest parameter-holding classes, largest first, and the key to set
+    cls = f"{Conv1DLike.__module__}.{Conv1DLike.__qualname__}"
+    assert text.index(f"{cls} (89% of the parameters, 2 modules)") < text.index(
+        "torch.nn.modules.normalization.LayerNorm (11% of the parameters, 1 module)"
+    )
+    assert '"lower_precision_safe_modules"' in text and "lower_precision_safe_names" in text
+
+
+def test_no_warning_when_something_is_safe_or_nothing_is_asked() -> None:
+    model = _unknown_layers()
+    named = AutocastZeroConfig(lower_precision_safe_names=["0"])
+    sections: list[tuple[AutocastZeroConfig, int]] = [
+        (named, 2),  # the first layer is safe by name
+        (AutocastZeroConfig(lower_precision_safe_modules=[f"{__name__}.Conv1DLike"]), 2),
+        (AutocastZeroConfig(lower_precision_safe_modules=[]), 2),  # explicitly none
+        (AutocastZeroConfig(low_precision_reduce=False), 1),  # fp32 reduction asked for
+        (AutocastZeroConfig(low_precision_reduce=False, low_precision_gather=False), 3),
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for cfg, stage in sections:
+            warn_if_nothing_safe(model, cfg, safe_parameters(model, cfg), stage)
+    # ZeRO 3 gathers in 16 bits even without 16-bit reduction: still worth a warning
+    cfg = AutocastZeroConfig(low_precision_reduce=False)
+    assert "gathered in float32" in str(nothing_safe_message(model, cfg, {}, 3))
+
+
+def _tiny_gpt2() -> nn.Module:
+    pytest.importorskip("transformers")
+    from _acz_common import tiny_gpt2
+
+    model: nn.Module = tiny_gpt2()
+    return model
+
+
+def test_hugging_face_gpt2_conv1d_layers_are_safe() -> None:
+    model = _tiny_gpt2()
+    from transformers.pytorch_utils import Conv1D
+
+    cfg = AutocastZeroConfig()
+    assert Conv1D in cfg.safe_classes()
+    safe = safe_parameters(model, cfg)
+    conv = {
+        f"{n}.{p}"
+        for n, m in model.named_modules()
+        if isinstance(m, Conv1D)
+        for p, _ in m.named_parameters(recurse=False)
+    }
+    assert len(conv) == 2 * 4 * 2  # c_attn, c_proj, mlp.c_fc, mlp.c_proj per block; weight, bias
+    assert set(safe.values()) == conv  # embeddings, norms and the tied lm_head stay fp32
+    numel = {id(p): p.numel() for p in model.parameters()}
+    assert sum(numel[k] for k in safe) > sum(numel.values()) // 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_nothing_safe(model, cfg, safe, stage=3)
+
+
+def test_hugging_face_gpt2_without_conv1d_warns_naming_it() -> None:
+    model = _tiny_gpt2()
+    cfg = AutocastZeroConfig(
+        lower_precision_safe_modules=[m for m in DEFAULT_SAFE_MODULES if "Conv1D" not in m]
+    )
+    with pytest.warns(
+        RuntimeWarning, match=r"transformers\.pytorch_utils\.Conv1D \(\d+% of the parameters, 8 modules\)"
+    ):
+        warn_if_nothing_safe(model, cfg, safe_parameters(model, cfg), stage=2)

@@ -100,3 +100,28 @@ def test_detach_restores_forward(two_ranks: list[dict[str, Any]]) -> None:
     for rank in two_ranks:
         for stage in range(4):
             assert rank[f"bf16_z{stage}"]["detached_forward"] is False
+
+
+def test_hugging_face_gpt2_reduces_its_conv1d_gradients_in_bf16(two_ranks: list[dict[str, Any]]) -> None:
+    """GPT-2's linear layers are transformers' Conv1D, safe by default: their gradients move in
+    bf16, the rest (embeddings, norms) in fp32, and nothing is warned.  Leaving Conv1D out makes
+    rank 0 (only) warn once, naming Conv1D and the key to set."""
+    pytest.importorskip("transformers")
+    for rank, res in enumerate(two_ranks):
+        gpt2 = res["gpt2"]
+        assert gpt2 is not None
+        ours = gpt2["default"]
+        ((coll, per),) = ours["bytes"].items()
+        conv, total = ours["conv_numel"], ours["numel"]
+        k, rem = divmod(per["bfloat16"], 2 * conv)
+        assert rem == 0 and k >= 1, (coll, per, conv)
+        assert per["float32"] == k * 4 * (total - conv)
+        assert ours["warnings"] == [] and math.isfinite(ours["loss"])
+        linear = gpt2["linear_only"]
+        assert sorted(linear["bytes"][coll]) == ["float32"]
+        if rank == 0:
+            (text,) = linear["warnings"]
+            assert "no parameter of the model is lower-precision safe" in text
+            assert "transformers.pytorch_utils.Conv1D (" in text and "lower_precision_safe_modules" in text
+        else:
+            assert linear["warnings"] == []

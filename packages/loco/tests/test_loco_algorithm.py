@@ -189,6 +189,37 @@ def test_config_defaults_validation_and_entry_point() -> None:
         )
 
 
+@pytest.mark.parametrize(("key", "word"), [("hierarchy", "detect"), ("kernels", "compiled")])
+def test_absent_key_new_word_and_auto_alias_resolve_the_same(key: str, word: str) -> None:
+    from loco.plugin import _two_level_wanted
+
+    built = []
+    for section in ({}, {key: word}, {key: "auto"}):
+        (plugin,) = split_plugin_sections({"loco": section})
+        assert isinstance(plugin, LocoPlugin)
+        built.append(plugin)
+    assert built[0].cfg == built[1].cfg == built[2].cfg == LocoConfig()
+    assert getattr(built[2].cfg, key) == word  # "auto" is stored as the new word
+    assert LocoConfig(**{key: "auto"}) == LocoConfig()
+    if key == "kernels":
+        assert all(p.state.use_kernels for p in built)
+        assert not LocoState(LocoConfig(kernels="reference")).use_kernels
+    else:  # world, node -> two-level?
+        cases = {(4, 2): True, (8, 4): True, (2, 2): False, (4, 4): False, (6, 4): False}
+        for (world, node), two in cases.items():
+            assert [_two_level_wanted(p.cfg, world, node) for p in built] == [two] * 3
+            assert not _two_level_wanted(LocoConfig(hierarchy="flat"), world, node)
+
+
+@pytest.mark.parametrize(
+    ("key", "words"),
+    [("hierarchy", "'detect', 'flat' or 'two_level'"), ("kernels", "'compiled' or 'reference'")],
+)
+def test_bad_value_lists_the_accepted_words(key: str, words: str) -> None:
+    with pytest.raises(ConfigError, match=rf"loco\.{key}: .*{words}.*got 'automatic'"):
+        split_plugin_sections({"loco": {key: "automatic"}})
+
+
 def test_readme_documents_every_option_with_its_default() -> None:
     text = README.read_text(encoding="utf-8")
     rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| `([^`]*)` \|", text, re.M)}

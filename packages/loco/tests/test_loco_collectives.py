@@ -99,7 +99,7 @@ def _check_kernels_equal_reference(topo: comm.Topology, seed: int) -> None:
     mine, _ = _inputs(50_000, "bf16", seed)
     results = []
     for use in (True, False):
-        cfg = LocoConfig(kernels="auto" if use else "reference")
+        cfg = LocoConfig(kernels="compiled" if use else "reference")
         state = LocoState(cfg)
         flat = mine.clone()
         for _ in range(3):  # with error feedback across calls

@@ -49,8 +49,12 @@ def test_nvme_offload_becomes_cpu_offload_owned_by_nvmeswap() -> None:
         (lambda c: c.update(nvmeswap={"bufer_count": 4}), "did you mean 'buffer_count'"),
         (lambda c: c.update(nvmeswap={"buffer_count": 1}), "buffer_count"),
         (lambda c: c.update(nvmeswap={"block_size": 5000}), "block_size"),
-        (lambda c: c.update(nvmeswap={"io_engine": "libaio"}), "io_engine"),
-        (lambda c: c.update(nvmeswap={"fused_adam": "yes please"}), "fused_adam"),
+        (lambda c: c.update(nvmeswap={"io_engine": "libaio"}), "io_engine: .*'detect', 'native' or 'python'"),
+        (
+            lambda c: c.update(nvmeswap={"fused_adam": "yes please"}),
+            'fused_adam: .*true, false or "when_supported"',
+        ),
+        (lambda c: c.update(nvmeswap={"fused_adam": None}), 'fused_adam: .*true, false or "when_supported"'),
     ],
 )
 def test_bad_config_is_a_clear_error(mutate: Any, message: str) -> None:
@@ -74,3 +78,47 @@ def test_config_is_frozen_and_documented() -> None:
     with pytest.raises(pydantic.ValidationError, match="frozen"):
         cfg.buffer_count = 5  # type: ignore[misc]
     assert all(f.description for f in NvmeSwapConfig.model_fields.values())
+
+
+@pytest.mark.parametrize(("key", "word"), [("io_engine", "detect"), ("fused_adam", "when_supported")])
+def test_absent_key_new_word_and_auto_alias_are_the_same(key: str, word: str) -> None:
+    built = []
+    for section in ({}, {key: word}, {key: "auto"}):
+        cfg = _cfg()
+        cfg["nvmeswap"] = section
+        (plugin,) = split_plugin_sections(cfg, {"nvmeswap": NvmeSwapPlugin})
+        assert isinstance(plugin, NvmeSwapPlugin)
+        built.append(plugin.cfg)
+    assert built[0] == built[1] == built[2] == NvmeSwapConfig()
+    assert getattr(built[2], key) == word  # "auto" is stored as the new word
+
+
+def test_fused_adam_choice_is_the_same_for_absent_new_word_and_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from nvmeswap import adam
+    from nvmeswap.plugin import _fused_choice
+
+    loads: list[int] = []
+    monkeypatch.setattr(adam, "load_distributed", lambda: loads.append(1) or True)
+    param = torch.nn.Parameter(torch.zeros(2))
+
+    class Zero:  # the ZeRO-3 optimizer around the torch one
+        def __init__(self, opt: torch.optim.Optimizer) -> None:
+            self.optimizer = opt
+
+    adamw, sgd = Zero(torch.optim.AdamW([param])), Zero(torch.optim.SGD([param], lr=0.1))
+    for cfg in (
+        NvmeSwapConfig(),
+        NvmeSwapConfig(fused_adam="when_supported"),
+        NvmeSwapConfig(fused_adam="auto"),
+    ):  # type: ignore[arg-type]
+        loads.clear()
+        assert _fused_choice(cfg, adamw) is True and loads == [1]  # the kernel is built
+        loads.clear()
+        assert _fused_choice(cfg, sgd) is True and loads == []  # unfused per step, no error
+    assert _fused_choice(NvmeSwapConfig(fused_adam=False), adamw) is False
+    with pytest.raises(
+        ConfigError, match=r'fused_adam is true but .*SGD.*set it to false or "when_supported"'
+    ):
+        _fused_choice(NvmeSwapConfig(fused_adam=True), sgd)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+import zerohooks
 from accumdtype.access import grad_accum
 from accumdtype.config import dtype_name
 from accumdtype.state import AccumState
@@ -34,8 +35,12 @@ class MidWindowCheckpointError(RuntimeError):
 
 
 def in_window(engine: Any) -> bool:
-    """True between the micro-steps of one accumulation window (not at a boundary)."""
-    return int(engine.micro_steps) % int(engine.gradient_accumulation_steps()) != 0
+    """True between the micro-steps of one accumulation window (not at a boundary).
+
+    Read from zerohooks' own count of backward passes since the last optimizer step, not from
+    ``engine.micro_steps``: accelerate (hence Hugging Face Trainer) calls ``engine.step()`` only
+    at boundaries, so DeepSpeed's counter then counts optimizer steps."""
+    return zerohooks.step_context(engine).in_window
 
 
 def check_save(state: AccumState) -> None:
@@ -43,8 +48,9 @@ def check_save(state: AccumState) -> None:
     engine = state.engine
     if state.plan.stage >= 2 and in_window(engine):
         gas = int(engine.gradient_accumulation_steps())
+        done = zerohooks.step_context(engine).window_micro_step
         raise MidWindowCheckpointError(
-            f"save_checkpoint was called after micro-step {int(engine.micro_steps) % gas} of {gas} of an "
+            f"save_checkpoint was called after micro-step {done} of {gas} of an "
             f"accumulation window. On ZeRO {state.plan.stage} the accumulated gradient lives in DeepSpeed's "
             "reduced partitions, which DeepSpeed does not save, so the run could not resume this window. "
             "Save after the engine.step() that ends the window (engine.is_gradient_accumulation_boundary() "

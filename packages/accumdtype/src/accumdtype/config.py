@@ -78,10 +78,13 @@ class AccumDtypeConfig(PluginConfig):
     """Dtype gradients accumulate in across the micro-steps of one optimizer step (``fp32``,
     ``bf16``, ``fp16``; ``float32``/``bfloat16``/``float16`` are accepted too)."""
 
-    reduce_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """Dtype gradients are reduced (communicated) in.  ``auto``: DeepSpeed's
+    reduce_dtype: Literal["inherit", "fp32", "bf16", "fp16"] = "inherit"
+    """Dtype gradients are reduced (communicated) in: ``fp32``, ``bf16``, ``fp16``, or
+    ``inherit`` (the default, also when the key is absent): DeepSpeed's
     ``communication_data_type`` when the config sets it, else ``dtype``, so that fp32
-    accumulation is not thrown away by a 16-bit reduction."""
+    accumulation is not thrown away by a 16-bit reduction.  ``"auto"`` is also accepted (stored
+    as ``inherit``), but Trainer/accelerate reject any ``"auto"`` they cannot fill themselves:
+    leave the key out there."""
 
     allow_lossy: bool = False
     """Run a combination that loses precision: an accumulation dtype that cannot hold every
@@ -92,6 +95,11 @@ class AccumDtypeConfig(PluginConfig):
     @classmethod
     def _aliases(cls, value: Any) -> Any:
         return _normalise(value)
+
+    @pydantic.field_validator("reduce_dtype", mode="before")
+    @classmethod
+    def _auto(cls, value: Any) -> Any:
+        return "inherit" if value == "auto" else value
 
 
 def lossless(src: torch.dtype, dst: torch.dtype) -> bool:
@@ -167,7 +175,7 @@ def make_plan(cfg: AccumDtypeConfig, ctx: SetupContext) -> Plan:
         )
     user_comm = _explicit(ds, "communication_data_type", "communication_data_type")
     ds_comm = DTYPES[user_comm] if user_comm is not None else model
-    if cfg.reduce_dtype == "auto":
+    if cfg.reduce_dtype == "inherit":
         reduce = ds_comm if user_comm is not None else accum
     else:
         reduce = DTYPES[cfg.reduce_dtype]
@@ -184,11 +192,14 @@ def make_plan(cfg: AccumDtypeConfig, ctx: SetupContext) -> Plan:
             f"(measured with DeepSpeed: 8.7e-3 relative error after 64 micro-steps for fp32 -> bf16)"
         )
     if not lossless(accum, reduce):
-        how = "set by communication_data_type" if cfg.reduce_dtype == "auto" else "by accumdtype.reduce_dtype"
+        if cfg.reduce_dtype == "inherit":
+            how, fix = "set by communication_data_type", 'set communication_data_type to "fp32" or remove it'
+        else:
+            how, fix = "by accumdtype.reduce_dtype", 'use reduce_dtype "fp32" or leave the key out'
         lossy.append(
             f"reducing {dtype_name(accum)}-accumulated gradients in {dtype_name(reduce)} ({how}) rounds "
             "each reduction (measured: 1.3e-3 relative error after 64 micro-steps on ZeRO 2/3 vs 3e-9 "
-            'with an fp32 reduction); use reduce_dtype "fp32" or "auto"'
+            f"with an fp32 reduction); {fix}"
         )
     if lossy and not cfg.allow_lossy:
         raise ConfigError(

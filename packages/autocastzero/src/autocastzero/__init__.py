@@ -5,7 +5,7 @@ A zerohooks plugin, enabled by an ``"autocastzero"`` section in the DeepSpeed co
     {"zero_optimization": {"stage": 3}, "autocastzero": {"dtype": "bfloat16"}}
 
 The engine's forward runs under ``torch.autocast``; parameters stay fp32; gradients of
-lower-precision-safe modules (Linear, Conv by default) are reduced in the autocast dtype and, on
+lower-precision-safe modules (Linear, Conv and Hugging Face's Conv1D by default) are reduced in the autocast dtype and, on
 ZeRO 3, those parameters are all-gathered in it; float16 gets dynamic loss scaling on ZeRO 0-3.
 """
 

@@ -7,6 +7,7 @@ anything: a conflict is refused with a message that says which key to change.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any, Literal
 
 import pydantic
@@ -18,6 +19,7 @@ from zerohooks import ConfigError, PluginConfig
 __all__ = [
     "DEFAULT_SAFE_MODULES",
     "DTYPES",
+    "IMPORTED_ONLY_MODULES",
     "AutocastZeroConfig",
     "check_deepspeed_config",
     "resolve_class",
@@ -41,8 +43,17 @@ DEFAULT_SAFE_MODULES: tuple[str, ...] = (
     "torch.nn.Conv1d",
     "torch.nn.Conv2d",
     "torch.nn.Conv3d",
+    "transformers.pytorch_utils.Conv1D",
 )
-"""Module classes whose parameters are lower-precision safe by default (subclasses included)."""
+"""Module classes whose parameters are lower-precision safe by default (subclasses included).
+``transformers.pytorch_utils.Conv1D`` is Hugging Face's linear layer with a transposed weight
+(GPT-2, OpenAI GPT, ImageGPT, Decision Transformer, CLVP); its other models use
+``torch.nn.Linear``."""
+
+IMPORTED_ONLY_MODULES: frozenset[str] = frozenset({"transformers.pytorch_utils.Conv1D"})
+"""Third-party classes of :data:`DEFAULT_SAFE_MODULES`, looked up only in modules already
+imported: a model cannot hold an instance of a class whose module was never imported, so
+autocastzero never imports (or needs) transformers, and a missing one is no error."""
 
 _SCALING_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
 
@@ -62,6 +73,13 @@ def resolve_class(path: str) -> type[nn.Module]:
     return cls
 
 
+def _imported_class(path: str) -> type[nn.Module] | None:
+    """The class at ``path`` if its module is already imported, else None (nothing imported)."""
+    module_name, _, class_name = path.rpartition(".")
+    cls = getattr(sys.modules.get(module_name), class_name, None)
+    return cls if isinstance(cls, type) and issubclass(cls, nn.Module) else None
+
+
 class AutocastZeroConfig(PluginConfig):
     """The ``"autocastzero"`` section of the DeepSpeed config."""
 
@@ -71,7 +89,8 @@ class AutocastZeroConfig(PluginConfig):
 
     lower_precision_safe_modules: tuple[str, ...] = DEFAULT_SAFE_MODULES
     """Dotted import paths of module classes whose parameters are lower-precision safe.  A module
-    matches when it is an instance of a listed class, subclasses included."""
+    matches when it is an instance of a listed class, subclasses included.  Default:
+    :data:`DEFAULT_SAFE_MODULES` (torch's Linear and Conv1d/2d/3d, transformers' ``Conv1D``)."""
 
     lower_precision_safe_names: tuple[str, ...] = ()
     """``fnmatch`` globs of module names (as in ``model.named_modules()``, e.g. ``"blocks.*.mlp.*"``)
@@ -117,7 +136,8 @@ class AutocastZeroConfig(PluginConfig):
     @classmethod
     def _importable(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for path in value:
-            resolve_class(path)
+            if path not in IMPORTED_ONLY_MODULES:
+                resolve_class(path)
         return value
 
     @pydantic.model_validator(mode="after")
@@ -137,8 +157,14 @@ class AutocastZeroConfig(PluginConfig):
         return DTYPES[self.dtype]
 
     def safe_classes(self) -> tuple[type[nn.Module], ...]:
-        """The classes of :attr:`lower_precision_safe_modules`, imported."""
-        return tuple(resolve_class(p) for p in self.lower_precision_safe_modules)
+        """The classes of :attr:`lower_precision_safe_modules`: imported, except those of
+        :data:`IMPORTED_ONLY_MODULES`, present only when their module already is."""
+        out: list[type[nn.Module]] = []
+        for path in self.lower_precision_safe_modules:
+            cls = _imported_class(path) if path in IMPORTED_ONLY_MODULES else resolve_class(path)
+            if cls is not None:
+                out.append(cls)
+        return tuple(out)
 
 
 def _enabled(section: Any) -> bool:

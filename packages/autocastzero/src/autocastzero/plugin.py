@@ -12,7 +12,7 @@ from typing_extensions import override
 import zerohooks
 from autocastzero.config import AutocastZeroConfig, check_deepspeed_config
 from autocastzero.scaling import ScaleState, Zero0Scaler, ZeroLossScaler, initial_scale, load, save
-from autocastzero.select import safe_parameters
+from autocastzero.select import safe_parameters, warn_if_nothing_safe
 from zerohooks import PluginConfig, SetupContext, ZeroPlugin
 from zerohooks.hookspec import GatherDtypeHook, PrepareModelHook, ReduceDtypeHook
 from zerohooks.registry import HookRegistry
@@ -117,6 +117,8 @@ class AutocastZeroPlugin(ZeroPlugin):
         state.device_type = get_accelerator().device_name()
         if not state.safe:
             state.safe = safe_parameters(engine.module, self.cfg)
+            if getattr(engine, "global_rank", 0) == 0:  # once per engine, not once per rank
+                warn_if_nothing_safe(engine.module, self.cfg, state.safe, state.stage)
         att.patch(engine, "forward", _autocast_forward(state), _ENGINE)
         if state.scale is not None:
             reinstall = self._install_scaler(engine, att, state.stage, state.scale)

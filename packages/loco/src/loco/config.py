@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import pydantic
 
@@ -44,10 +44,13 @@ class LocoConfig(PluginConfig):
     """False: plain 4-bit quantization without error buffers (no memory, no compensation), for
     comparison."""
 
-    hierarchy: Literal["auto", "flat", "two_level"] = "auto"
+    hierarchy: Literal["detect", "flat", "two_level"] = "detect"
     """``flat``: one all-to-all over all ranks.  ``two_level``: intra-node all-to-all, then a
     dequantize-reduce-requantize step with its own error buffer and an inter-node all-to-all.
-    ``auto``: two-level when there is more than one node."""
+    ``detect`` (the default, also when the key is absent): two-level when there is more than
+    one node (see ``node_size``), else flat.  ``"auto"`` is also accepted (stored as
+    ``detect``), but Trainer/accelerate reject any ``"auto"`` they cannot fill themselves: leave
+    the key out there."""
 
     node_size: int | None = pydantic.Field(default=None, ge=1)
     """Ranks per node (node n holds ranks n*node_size ... (n+1)*node_size-1).  None: the
@@ -58,6 +61,19 @@ class LocoConfig(PluginConfig):
     before the step (keeps one old copy of each buffer during fp16 steps), or ``reset`` them
     to zero (no extra memory)."""
 
-    kernels: Literal["auto", "reference"] = "auto"
-    """``auto``: the C++/CUDA kernels (built just in time; the pure-torch reference when the
-    build fails or the device has none).  ``reference``: always the pure-torch reference."""
+    kernels: Literal["compiled", "reference"] = "compiled"
+    """``compiled`` (the default, also when the key is absent): the C++/CUDA kernels (built just
+    in time; the pure-torch reference when the build fails, with a warning, or the device type
+    has none).  ``reference``: always the pure-torch reference.  ``"auto"`` is also accepted (stored
+    as ``compiled``), but Trainer/accelerate reject any ``"auto"`` they cannot fill themselves:
+    leave the key out there."""
+
+    @pydantic.field_validator("hierarchy", mode="before")
+    @classmethod
+    def _hierarchy_auto(cls, value: Any) -> Any:
+        return "detect" if value == "auto" else value
+
+    @pydantic.field_validator("kernels", mode="before")
+    @classmethod
+    def _kernels_auto(cls, value: Any) -> Any:
+        return "compiled" if value == "auto" else value

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import zerohooks
 from loco import comm, ops
 from loco.config import LocoConfig
 from loco.state import LocoState, after_step, begin_call, load_state_dict, state_dict
@@ -42,7 +43,8 @@ class LocoReducer(GradientReducer):
     """Owner of the gradient collective: quantized all-to-all reduction with error feedback.
 
     ``topology(group)`` gives the :class:`~loco.comm.Topology` to use for a process group and
-    ``window()`` the current reduction window (``engine.micro_steps``: one backward pass).
+    ``window()`` the current reduction window (one backward pass: ``StepContext.micro_step``, which
+    counts backward passes however the engine is driven).
     """
 
     def __init__(
@@ -118,6 +120,14 @@ def _node_size(config: LocoConfig, world: int) -> int:
     return world
 
 
+def _two_level_wanted(config: LocoConfig, world: int, node: int) -> bool:
+    """``hierarchy`` resolved for ``world`` ranks in nodes of ``node``: ``two_level``, or
+    ``detect`` with more than one whole node."""
+    return config.hierarchy == "two_level" or (
+        config.hierarchy == "detect" and world % node == 0 and world // node > 1
+    )
+
+
 class LocoPlugin(ZeroPlugin):
     """LoCo: 4-bit (or 8-bit) gradient communication with error feedback, ZeRO 0-3.
 
@@ -167,7 +177,7 @@ class LocoPlugin(ZeroPlugin):
                 f"loco.hierarchy is two_level but {world} ranks with node_size {node} make "
                 f"{world / node:g} node(s); set node_size to the ranks per node (at least 2 nodes)"
             )
-        if self.cfg.kernels == "auto":
+        if self.cfg.kernels == "compiled":
             self.kernels = ops.load_distributed("cpu")
             if _device_type() == "cuda":
                 self.kernels = ops.load_distributed("cuda")
@@ -184,10 +194,7 @@ class LocoPlugin(ZeroPlugin):
             return
         world = dist.get_world_size()
         node = _node_size(self.cfg, world)
-        wants = self.cfg.hierarchy == "two_level" or (
-            self.cfg.hierarchy == "auto" and world % node == 0 and world // node > 1
-        )
-        if wants:
+        if _two_level_wanted(self.cfg, world, node):
             self._two_level = comm.two_level_topology(node)
 
     def close(self) -> None:
@@ -206,7 +213,7 @@ class LocoPlugin(ZeroPlugin):
             self._check_skippable = False
             if self.cfg.on_skip == "restore" and not self.state.keep_snapshots:
                 self.state.keep_snapshots = _dynamic_loss_scaling(self.engine)
-        return int(self.engine.micro_steps)
+        return zerohooks.step_context(self.engine).micro_step
 
     def _topology(self, group: Any) -> comm.Topology:
         group = group if group is not None else dist.group.WORLD

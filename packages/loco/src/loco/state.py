@@ -142,7 +142,7 @@ class LocoState:
         self.error_feedback: bool = config.error_feedback
         self.reset_T: int = config.reset_T
         self.on_skip: str = config.on_skip
-        self.use_kernels: bool = config.kernels == "auto"
+        self.use_kernels: bool = config.kernels == "compiled"
         self.buffers: dict[str, ErrorBuffer] = {}
         self.keep_snapshots = False
         """Keep each buffer's value from before the step (fp16 with ``on_skip="restore"``)."""

@@ -30,15 +30,35 @@ class NvmeSwapConfig(PluginConfig):
     """Bytes per I/O request; a sub-group's file is read and written in pieces of this size."""
     min_swap_numel: int = pydantic.Field(0, ge=0)
     """Sub-groups with fewer elements stay in RAM (DeepSpeed's own swapper keeps those under 1 MiB)."""
-    io_engine: Literal["auto", "native", "python"] = "auto"
-    """``auto``: the C++ engine, or the pure-Python one (with a warning) if it cannot be built;
-    ``native``: the C++ engine or an error; ``python``: the pure-Python engine."""
-    fused_adam: bool | Literal["auto"] = "auto"
+    io_engine: Literal["detect", "native", "python"] = "detect"
+    """``detect`` (the default, also when the key is absent): the C++ engine, or the pure-Python
+    one (with a warning) if it cannot be built; ``native``: the C++ engine or an error;
+    ``python``: the pure-Python engine.  ``"auto"`` is also accepted (stored as ``detect``), but
+    Trainer/accelerate reject any ``"auto"`` they cannot fill themselves: leave the key out
+    there."""
+    fused_adam: bool | Literal["when_supported"] = "when_supported"
     """Step swapped sub-groups with nvmeswap's fused Adam/AdamW kernel, which reads the 16-bit
     gradient partitions directly (no fp32 gradient buffer; bitwise equal to the unfused step).
-    ``"auto"``: whenever the optimizer is ``torch.optim.Adam``/``AdamW`` in its default
-    single-tensor form (DeepSpeed's ``"torch_adam": true``), else the unfused step; ``true``: a
-    ConfigError for any other optimizer; ``false``: never."""
+    ``"when_supported"`` (the default, also when the key is absent): whenever the optimizer is
+    ``torch.optim.Adam``/``AdamW`` in its default single-tensor form (DeepSpeed's
+    ``"torch_adam": true``), else the unfused step; ``true``: a ConfigError for any other
+    optimizer; ``false``: never.  ``"auto"`` is also accepted (stored as ``when_supported``),
+    but Trainer/accelerate reject any ``"auto"`` they cannot fill themselves: leave the key out
+    there."""
+
+    @pydantic.field_validator("io_engine", mode="before")
+    @classmethod
+    def _io_engine_auto(cls, value: Any) -> Any:
+        return "detect" if value == "auto" else value
+
+    @pydantic.field_validator("fused_adam", mode="before")
+    @classmethod
+    def _fused_adam_auto(cls, value: Any) -> Any:
+        if value == "auto":
+            return "when_supported"
+        if isinstance(value, bool) or value == "when_supported":
+            return value
+        raise ValueError('use true, false or "when_supported"')
 
 
 def rewrite_offload(ds_config: dict[str, Any], cfg: NvmeSwapConfig) -> str:

@@ -168,7 +168,7 @@ def _fused_choice(cfg: NvmeSwapConfig, opt: Any) -> bool:
     why = fused.refusal(opt.optimizer, opt)
     if cfg.fused_adam is True:
         if why is not None:
-            raise ConfigError(f'nvmeswap.fused_adam is true but {why}; set it to false or "auto"')
+            raise ConfigError(f'nvmeswap.fused_adam is true but {why}; set it to false or "when_supported"')
         if not adam.load_distributed():
             warnings.warn(
                 f"nvmeswap.fused_adam: the C++ kernel is not available ({adam.build_error()}); "
