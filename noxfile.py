@@ -1,6 +1,6 @@
 """Nox sessions for the zerohooks monorepo.
 
-    nox                          the test command: every package's tests, integration, lint, typecheck
+    nox                          the test command: every package's tests, integration, frameworks, lint, typecheck
     nox -l                       list the sessions
     nox -s "tests(zerohooks)"    one package's tests (or: nox -s tests -k zerohooks)
     nox -s tests -- -m "not slow" -x      posargs go to pytest
@@ -46,11 +46,12 @@ nox.options.default_venv_backend = "uv|virtualenv"  # uv when installed (fast), 
 nox.options.reuse_venv = "yes"  # reuse venvs locally (nox -R also skips installs); CI starts from none
 nox.options.error_on_external_run = True
 # The test command (`nox`): one tests(<pkg>) session per existing package, then the rest.
-nox.options.sessions = ["tests", "integration", "lint", "typecheck"]
+nox.options.sessions = ["tests", "integration", "frameworks", "lint", "typecheck"]
 
 ROOT = Path(__file__).resolve().parent
 PACKAGES_DIR = ROOT / "packages"
 INTEGRATION_DIR = ROOT / "tests" / "integration"
+FRAMEWORKS_DIR = ROOT / "tests" / "frameworks"
 TORCH_EXTENSIONS_ROOT = ROOT / ".torch_extensions"
 LINT_PATHS = ("packages", "tests", "examples", "benchmarks", "noxfile.py")
 
@@ -381,6 +382,23 @@ def integration(session: nox.Session) -> None:
     _check_install(session, PACKAGES, isolated=False)
     _use_jit_dir(session)
     _pytest(session, INTEGRATION_DIR)
+
+
+@nox.session(tags=["tests"])
+def frameworks(session: nox.Session) -> None:
+    """All packages under Hugging Face Trainer, accelerate and Lightning: pytest tests/frameworks.
+
+    transformers, accelerate and lightning (tests/frameworks/requirements.txt) are pinned, with
+    what they pull in, by constraints.txt."""
+    if not _has_tests(FRAMEWORKS_DIR):
+        session.skip("tests/frameworks has no test files yet: nothing to run")
+    _prepare(session)
+    session.env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
+    args = [_dev_requirement("pytest"), "-r", str(FRAMEWORKS_DIR / "requirements.txt")]
+    _install(session, *args, local=PACKAGES)
+    _check_install(session, PACKAGES, isolated=False)
+    _use_jit_dir(session)
+    _pytest(session, FRAMEWORKS_DIR)
 
 
 @nox.session

@@ -22,6 +22,15 @@ USAGE = "usage: python -m zerohooks.run SCRIPT [ARGS...]  |  python -m zerohooks
 
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
+    # DeepSpeed's launcher (`deepspeed --module zerohooks.run ...`) puts --local_rank=N before
+    # the script: hand it on after the script, where the script would have received it.
+    launcher: list[str] = []
+    while args and args[0].startswith("--local_rank"):
+        if args[0] == "--local_rank" and len(args) > 1:
+            launcher += args[:2]
+            args = args[2:]
+        else:
+            launcher.append(args.pop(0))
     if not args or args[0] in ("-h", "--help"):
         print(USAGE + "\n\n" + (__doc__ or "").strip(), file=sys.stderr if not args else sys.stdout)
         raise SystemExit(0 if args else 2)
@@ -29,10 +38,10 @@ def main(argv: list[str] | None = None) -> None:
     if args[0] == "-m":
         if len(args) < 2:
             raise SystemExit(f"zerohooks.run: -m needs a module name\n{USAGE}")
-        module, rest = args[1], args[2:]
+        module, rest = args[1], [*launcher, *args[2:]]
         sys.argv = [module, *rest]
     else:
-        script, rest = args[0], args[1:]
+        script, rest = args[0], [*launcher, *args[1:]]
         if not os.path.isfile(script):
             raise SystemExit(f"zerohooks.run: {script!r} is not a file\n{USAGE}")
         sys.argv = [script, *rest]
