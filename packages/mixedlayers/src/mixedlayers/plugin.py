@@ -159,7 +159,10 @@ def _prepare_model(cfg: MixedLayersConfig, state: MixedState) -> PrepareModelHoo
         if any(hasattr(p, "ds_id") for p in model.parameters()):
             raise ConfigError(
                 "mixedlayers does not support models built under deepspeed.zero.Init (their parameters are "
-                "already partitioned in the training dtype); build the model normally, ZeRO 3 partitions it"
+                "already partitioned in the training dtype); build the model normally, ZeRO 3 partitions it. "
+                "Hugging Face: from_pretrained/from_config use zero.Init once a ZeRO 3 TrainingArguments (or "
+                "accelerate's zero3_init_flag) exists; build the model before the TrainingArguments, or "
+                "construct it directly (e.g. GPT2LMHeadModel(config)), or set zero3_init_flag=False"
             )
         selected = add_sharers(model, select_modules(model, cfg))
         keep_fp32(state, model, selected, cfg.keep_buffers)
