@@ -342,7 +342,9 @@ def _has_tests(folder: Path) -> bool:
 
 
 def _pytest(session: nox.Session, folder: Path) -> None:
-    # exit code 5 = "no tests collected" (e.g. everything deselected by -m/-k): not a failure
+    # exit code 5 = "no tests collected" (e.g. everything deselected by -m/-k): not a failure.
+    # A test past PYTEST_TIMEOUT seconds fails with its traceback (pytest-timeout; see pyproject.toml)
+    session.env.setdefault("PYTEST_TIMEOUT", os.environ.get("PYTEST_TIMEOUT", "1200"))
     session.run("pytest", str(folder.relative_to(ROOT)), *session.posargs, success_codes=[0, 5])
 
 
@@ -357,7 +359,7 @@ def tests(session: nox.Session, package: Package) -> None:
     """One package in isolation: only it and zerohooks, editable from the tree, plus pytest."""
     _prepare(session)
     wanted = [Package.zerohooks] if package is Package.zerohooks else [Package.zerohooks, package]
-    _install(session, _dev_requirement("pytest"), local=wanted)
+    _install(session, _dev_requirement("pytest"), _dev_requirement("pytest-timeout"), local=wanted)
     _check_install(session, wanted, isolated=True)
     if not _has_tests(package.tests):
         session.skip(f"{package.rel}/tests has no test files yet: nothing to run")
@@ -375,7 +377,7 @@ def integration(session: nox.Session) -> None:
     if not _has_tests(INTEGRATION_DIR):
         session.skip("tests/integration has no test files yet: nothing to run")
     _prepare(session)
-    args = [_dev_requirement("pytest")]
+    args = [_dev_requirement("pytest"), _dev_requirement("pytest-timeout")]
     if (INTEGRATION_DIR / "requirements.txt").is_file():
         args += ["-r", str(INTEGRATION_DIR / "requirements.txt")]
     _install(session, *args, local=PACKAGES)
@@ -394,7 +396,12 @@ def frameworks(session: nox.Session) -> None:
         session.skip("tests/frameworks has no test files yet: nothing to run")
     _prepare(session)
     session.env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
-    args = [_dev_requirement("pytest"), "-r", str(FRAMEWORKS_DIR / "requirements.txt")]
+    args = [
+        _dev_requirement("pytest"),
+        _dev_requirement("pytest-timeout"),
+        "-r",
+        str(FRAMEWORKS_DIR / "requirements.txt"),
+    ]
     _install(session, *args, local=PACKAGES)
     _check_install(session, PACKAGES, isolated=False)
     _use_jit_dir(session)
@@ -497,14 +504,61 @@ def demo(session: nox.Session) -> None:
     _run_script(session, "examples", "train_gpt.py")
 
 
+INSTALL_STAMP = ".zerohooks-install-stamp"
+"""File in a session's venv holding :func:`install_fingerprint` of its last complete install."""
+
+
+def install_fingerprint(files: Iterable[Path], args: Iterable[str] = ()) -> str:
+    """A hash of what decides a session's install: the packages' pyproject.toml files, the
+    constraints, the requirements files (``files``, missing ones count as missing) and the
+    install arguments.  Editable installs pick up source changes by themselves, so an unchanged
+    fingerprint means the venv is up to date."""
+    digest = hashlib.sha256()
+    for path in sorted({Path(f).resolve() for f in files}):
+        digest.update(str(path).encode() + b"\0")
+        digest.update(path.read_bytes() if path.is_file() else b"<missing>")
+        digest.update(b"\0")
+    for arg in args:
+        digest.update(arg.encode() + b"\1")
+    return digest.hexdigest()
+
+
+def venv_up_to_date(venv: Path, fingerprint: str) -> bool:
+    """Whether ``venv`` exists (has a python) and its last install had ``fingerprint``."""
+    stamp = venv / INSTALL_STAMP
+    has_python = (venv / "bin" / "python").exists() or (venv / "Scripts" / "python.exe").exists()
+    try:
+        return has_python and stamp.read_text(encoding="utf-8").strip() == fingerprint
+    except OSError:
+        return False
+
+
 def _run_script(session: nox.Session, folder: str, name: str) -> None:
-    """Every package plus ``<folder>/requirements.txt`` installed, then ``python <folder>/<name>``."""
+    """Every package plus ``<folder>/requirements.txt`` installed, then ``python <folder>/<name>``.
+
+    A reused venv whose :func:`install_fingerprint` is unchanged skips the install (seconds
+    instead of a minute; ``ZEROHOOKS_REINSTALL=1`` forces it).  Then the plugins' C++ kernels are
+    built ahead of time (``python -m zerohooks.build``), announced, once per venv."""
     script = ROOT / folder / name
     if not script.is_file():
         session.skip(f"{folder}/{name} does not exist yet")
     _prepare(session)
     req = ROOT / folder / "requirements.txt"
-    _install(session, *(["-r", str(req)] if req.is_file() else []), local=PACKAGES)
-    _check_install(session, PACKAGES, isolated=False)
+    args = ["-r", str(req)] if req.is_file() else []
+    constraints = _constraints()
+    files = [p.path / "pyproject.toml" for p in PACKAGES] + [req, ROOT / "pyproject.toml"]
+    if constraints is not None:
+        files.append(constraints)
+    fingerprint = install_fingerprint(files, [*args, *_pin_args(), *(p.value for p in PACKAGES)])
+    venv = Path(session.virtualenv.location)
+    if venv_up_to_date(venv, fingerprint) and os.environ.get("ZEROHOOKS_REINSTALL", "") in ("", "0"):
+        session.log(
+            "venv up to date (packages' pyproject.toml, constraints, requirements unchanged): no install"
+        )
+    else:
+        (venv / INSTALL_STAMP).unlink(missing_ok=True)
+        _install(session, *args, local=PACKAGES)
+        _check_install(session, PACKAGES, isolated=False)
+        (venv / INSTALL_STAMP).write_text(fingerprint + "\n", encoding="utf-8")
     _use_jit_dir(session)
     session.run("python", str(script.relative_to(ROOT)), *session.posargs)

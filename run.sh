@@ -3,7 +3,10 @@
 #   bash run.sh demo [demo options]   the training demo (examples/train_gpt.py) in a nox-made venv
 #   bash run.sh test [nox options]    the test suite: `nox` (every package, integration, lint, typecheck)
 # It installs what is missing (nox, uv; g++ / libaio-dev through apt when needed), then runs nox,
-# which builds its own virtual environments with torch pinned by constraints.txt.
+# which builds its own virtual environments with torch pinned by constraints.txt. `demo` reuses its
+# venv without installing when packages/*/pyproject.toml, constraints.txt and examples/requirements.txt
+# are unchanged (ZEROHOOKS_REINSTALL=1 forces the install), and builds the plugins' C++ kernels before
+# it starts the ranks (python -m zerohooks.build), saying so.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")"

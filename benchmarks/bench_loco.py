@@ -53,9 +53,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def _skip_shm() -> None:
-    from zerohooks._compat import skip_deepspeed_shm_op  # inference-only op (as the demo does)
+    import zerohooks  # skip DeepSpeed's inference-only shm comm op build (as the demo does)
 
-    skip_deepspeed_shm_op()
+    zerohooks.skip_deepspeed_compiles()
 
 
 def _ds_config(stage: int, steps: int, micro_batch: int, loco: dict[str, Any] | None) -> dict[str, Any]:
@@ -695,6 +695,9 @@ def main(argv: list[str] | None = None) -> int:
         "(each keeps its own date and command)",
     )
     args = p.parse_args(argv)
+    from zerohooks.build import build
+
+    build(["loco"])  # once, here, announced: the ranks spawned below load the cached kernels
     only = set(args.only.split(","))
     unknown = only - set(SECTIONS)
     if unknown:

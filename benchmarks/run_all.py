@@ -24,6 +24,11 @@ def main() -> int:
     scripts = sorted(HERE.glob("bench_*.py"))
     if args.only:
         scripts = [s for s in scripts if s.stem.removeprefix("bench_") in args.only]
+    from zerohooks.build import build
+
+    # the plugins' C++ kernels, built once here (announced, with progress) rather than silently
+    # inside the first benchmark that needs them: `python -m zerohooks.build`
+    build()
     failed = []
     for i, script in enumerate(scripts, 1):
         print(f"[{i}/{len(scripts)}] {script.name}", flush=True)

@@ -3,6 +3,7 @@ data, the DeepSpeed config with plugin sections, and the report of what each plu
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from typing import Any
@@ -10,6 +11,24 @@ from typing import Any
 import torch
 
 VOCAB, SEQ, SAMPLES = 128, 32, 256
+
+
+def common_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options both examples take (training size, plugins, report, launcher flags)."""
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps")
+    parser.add_argument("--gas", type=int, default=2, help="micro-steps per optimizer step")
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--plugins", default="loco,accumdtype", help="comma-separated plugin sections")
+    parser.add_argument("--nvme-path", default=None, help="nvmeswap's folder (default: a temporary one)")
+    parser.add_argument("--report", default=None, help="write each rank's results to REPORT.<rank>.json")
+    parser.add_argument(
+        "--no-enable", action="store_true", help="leave zerohooks.enable() to python -m zerohooks.run"
+    )
+    parser.add_argument(
+        "--local_rank", type=int, default=None, help=argparse.SUPPRESS
+    )  # deepspeed's launcher
 
 
 def on_gpu() -> bool:

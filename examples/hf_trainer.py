@@ -30,30 +30,25 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from framework_report import before_distributed, ds_config, on_gpu, report, tiny_gpt2, token_ids
+from framework_report import (
+    before_distributed,
+    common_arguments,
+    ds_config,
+    on_gpu,
+    report,
+    tiny_gpt2,
+    token_ids,
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=6, help="optimizer steps")
-    parser.add_argument("--gas", type=int, default=2, help="micro-steps per optimizer step")
-    parser.add_argument("--micro-batch", type=int, default=2)
-    parser.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--plugins", default="loco,accumdtype", help="comma-separated plugin sections")
-    parser.add_argument("--nvme-path", default=None, help="nvmeswap's folder (default: a temporary one)")
+    common_arguments(parser)
     parser.add_argument(
         "--output-dir", default=None, help="Trainer's output folder (default: a temporary one)"
     )
-    parser.add_argument("--report", default=None, help="write each rank's results to REPORT.<rank>.json")
-    parser.add_argument(
-        "--no-enable", action="store_true", help="leave zerohooks.enable() to python -m zerohooks.run"
-    )
-    parser.add_argument(
-        "--local_rank", type=int, default=None, help=argparse.SUPPRESS
-    )  # deepspeed's launcher
     args = parser.parse_args()
 
     before_distributed()

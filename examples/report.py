@@ -28,9 +28,15 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else math.nan
 
 
-def comm_per_step(result: Result) -> dict[str, float] | None:
-    """Mean bytes per optimizer step, summed over ranks, keyed ``"collective dtype"``."""
-    steps = result.get("comm_bytes")  # per step: {collective: {dtype: bytes}} summed over ranks
+def run_colors(results: list[Result]) -> dict[str, str]:
+    """One colour per run, the same in every figure (by the run's place in ``results``)."""
+    return {r["name"]: f"C{i % 10}" for i, r in enumerate(results)}
+
+
+def comm_per_step(result: Result, key: str = "comm_bytes") -> dict[str, float] | None:
+    """Mean bytes per optimizer step, summed over ranks, keyed ``"collective dtype"``:
+    ``key="comm_bytes"`` handed to the gradient collectives, ``"wire_bytes"`` sent on the wire."""
+    steps = result.get(key)  # per step: {collective: {dtype: bytes}} summed over ranks
     if not steps:
         return None
     totals: dict[str, float] = {}
@@ -56,7 +62,32 @@ def summarize(result: Result) -> dict[str, Any]:
         "step_time_ms": step_s * 1e3,
         "tokens_per_s": result.get("tokens_per_step", 0) / step_s if step_s else math.nan,
         "comm_bytes_per_step": comm_per_step(result),
+        "wire_bytes_per_step": comm_per_step(result, "wire_bytes"),
     }
+
+
+def wire_ratios(results: list[Result]) -> tuple[str | None, dict[str, float]]:
+    """Each run's wire bytes per step over the first completed run's (the reference)."""
+    ref_name, ref, out = None, None, {}
+    for r in results:
+        wire = comm_per_step(r, "wire_bytes") if r.get("status") == "ok" else None
+        if not wire:
+            continue
+        total = sum(wire.values())
+        if ref is None:
+            ref_name, ref = r["name"], total
+        if ref:
+            out[r["name"]] = total / ref
+    return ref_name, out
+
+
+def _breakdown(comm: dict[str, float] | None) -> str:
+    if comm is None:
+        return "n/a"
+    if not comm:
+        return "none counted"
+    total = f"**{human_bytes(sum(comm.values()))}**"
+    return total + "".join(f"<br>{k}: {human_bytes(v)}" for k, v in comm.items())
 
 
 def _fmt(x: float, spec: str) -> str:
@@ -86,31 +117,38 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
         f"(micro-batch {meta.get('micro_batch')} x grad-accum {meta.get('grad_accum')} x "
         f"{meta.get('world_size')} ranks x seq {m.get('seq_len')}).  "
     )
-    lines.append(f"Wall time from the command's start to this report: {meta.get('wall_time_s')} s.")
+    if meta.get("wall_time_final"):
+        lines.append(f"Wall time of this command, from its start to its exit: {meta.get('wall_time_s')} s.")
+    else:
+        lines.append(
+            f"Wall time from the command's start to this report: {meta.get('wall_time_s')} s "
+            "(written by the training ranks; the command had not exited yet)."
+        )
+    ref_name, ratios = wire_ratios(results)
     lines += [
         "",
         "| run | ZeRO stage | dtype | offload | final train loss | final val loss "
-        "| step time (ms) | tokens/s | gradient-collective bytes/step | peak memory |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| step time (ms) | tokens/s | handed to the gradient collectives /step "
+        f"| sent on the wire /step | wire vs {ref_name or 'first run'} | peak memory | run wall time (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     skipped: list[str] = []
     for r in results:
         if r.get("status") != "ok":
-            lines.append(f"| {r['name']} | | | | {r.get('status')}: {r.get('reason', '')} | | | | | |")
+            lines.append(f"| {r['name']} | | | | {r.get('status')}: {r.get('reason', '')} | | | | | | | | |")
             skipped.append(f"- `{r['name']}` {r.get('status')}: {r.get('reason', '')}")
             continue
         s = summarize(r)
-        comm = s["comm_bytes_per_step"]
-        comm_txt = "<br>".join(f"{k}: {human_bytes(v)}" for k, v in comm.items()) if comm else "n/a"
-        if comm == {}:
-            comm_txt = "none counted"
+        ratio = ratios.get(r["name"])
         peak = r.get("peak_memory_bytes")
         lines.append(
             f"| {r['name']} | {r.get('zero_stage')} | {r.get('dtype')} | "
             f"{r.get('offload') or 'none'} | {_fmt(s['final_train_loss'], '.4f')} | "
             f"{_fmt(s['final_val_loss'], '.4f')} | {_fmt(s['step_time_ms'], '.1f')} | "
-            f"{_fmt(s['tokens_per_s'], ',.0f')} | {comm_txt} | "
-            f"{human_bytes(peak) if peak else 'n/a'} |"
+            f"{_fmt(s['tokens_per_s'], ',.0f')} | {_breakdown(s['comm_bytes_per_step'])} | "
+            f"{_breakdown(s['wire_bytes_per_step'])} | "
+            f"{'n/a' if ratio is None else f'{ratio:.3f}x'} | "
+            f"{human_bytes(peak) if peak else 'n/a'} | {_fmt(r.get('wall_time_s', math.nan), '.1f')} |"
         )
     lines += [
         "",
@@ -118,8 +156,18 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
         " final val loss: the last evaluation on the held-out files.",
         f"- step time: mean wall time of an optimizer step (slowest rank), excluding the first "
         f"{meta.get('warmup_steps')} steps and the evaluations; tokens/s: global.",
-        "- gradient-collective bytes/step: bytes handed to each collective per optimizer step, "
-        "summed over all ranks, from `zerohooks` communication counters (n/a without them).",
+        "- handed to the gradient collectives: the bytes DeepSpeed hands to its gradient "
+        "collective (`all_reduce`, `reduce_scatter`) per optimizer step, in the communication "
+        "dtype, summed over all ranks, from `zerohooks` counters (`counters.last_step()`; n/a "
+        "without zerohooks). A plugin that owns the collective (loco) receives these bytes and "
+        "decides what to send.",
+        "- sent on the wire: the bytes the ranks send to each other per optimizer step, by the "
+        "collective that really ran and the format that travelled (`counters.last_step(wire=True)`): "
+        "as the owner reports them (loco: 4-bit codes, fp32 scales, the exact path for small "
+        "tensors), else DeepSpeed's collective with the ring model (an all-reduce sends 2(W-1)/W "
+        "of its input per rank, a reduce-scatter (W-1)/W). The ratio compares each run with the "
+        "first one.",
+        "- run wall time: from building the run's engine to its last evaluation (rank 0).",
         f"- peak memory: {meta.get('memory_kind', '')}, the largest over ranks.",
     ]
     if skipped:
@@ -138,18 +186,24 @@ def centered_mean(xs: list[float], window: int) -> list[float]:
     return out
 
 
+LINE_STYLES = ("-", "--", "-.", ":")
+MARKERS = "osD^vP*X"
+
+
 def plot_loss(results: list[Result], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    colors = run_colors(results)
     fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
     ok = [r for r in results if r.get("status") == "ok"]
+    n_ok = len(ok)
     for i, r in enumerate(ok):
-        color = f"C{i % 10}"
-        style = ("-", "--", "-.", ":")[i % 4]
-        marker = "osD^v"[i % 5]
+        color = colors[r["name"]]
+        style = LINE_STYLES[i % len(LINE_STYLES)]
+        marker = MARKERS[i % len(MARKERS)]
         losses = r["train_loss"]
         steps = list(range(1, len(losses) + 1))
         ax.plot(steps, losses, color=color, alpha=0.3, linewidth=0.8)
@@ -157,48 +211,64 @@ def plot_loss(results: list[Result], path: Path) -> None:
             steps,
             centered_mean(losses, 9),
             color=color,
-            linewidth=1.8,
-            linestyle=style,  # identical runs overlap: the styles keep each one visible
+            linewidth=2.4 - 0.5 * (i % 3),  # identical runs overlap: width and style keep each visible
+            linestyle=style,
             label=f"{r['name']} train (9-step mean)",
         )
         if r.get("val_loss"):
             vs, vl = zip(*r["val_loss"], strict=True)
+            # validation points of identical runs coincide: shift each run's markers a little
+            shift = (i - (n_ok - 1) / 2) * max(1.0, len(losses) / 150)
             ax.plot(
-                vs,
+                [v + shift for v in vs],
                 vl,
                 color=color,
                 marker=marker,
-                markersize=7 - 1.5 * (i % 3),
+                markersize=8 - 1.5 * (i % 3),
+                markerfacecolor="none" if i % 2 else color,
                 linestyle=":",
                 linewidth=1,
                 label=f"{r['name']} val",
             )
     if not ok:
         ax.text(0.5, 0.5, "no completed run", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("optimizer step")
+    ax.set_xlabel("optimizer step (validation at 0 is before training)")
     ax.set_ylabel("cross-entropy (nats per byte)")
     ax.set_title("GPT on Python stdlib bytes: training loss (light: raw) and validation loss")
     ax.grid(True, alpha=0.3)
     if ok:
-        ax.legend()
+        handles, labels = ax.get_legend_handles_labels()
+        if n_ok > 1:
+            from matplotlib.lines import Line2D
+
+            handles.append(Line2D([], [], linestyle="none"))
+            labels.append(
+                "one colour per run in every figure;\nline styles, widths and markers differ and\n"
+                "val points are shifted slightly so that\nruns that coincide stay visible"
+            )
+        ax.legend(handles, labels, fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
 def plot_comm(results: list[Result], path: Path) -> None:
+    """Left: per run, bytes handed to the gradient collectives (hatched) next to bytes sent on the
+    wire (solid) per step, in the run's colour.  Right: the same split by collective and dtype."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
-    per_run: dict[str, dict[str, float]] = {}
+    colors = run_colors(results)
+    per_run: dict[str, tuple[dict[str, float], dict[str, float] | None]] = {}
     for r in results:
-        comm = comm_per_step(r) if r.get("status") == "ok" else None
-        if comm:
-            per_run[r["name"]] = comm
-    fig, ax = plt.subplots(figsize=(10, 5), dpi=110)
+        handed = comm_per_step(r) if r.get("status") == "ok" else None
+        if handed:
+            per_run[r["name"]] = (handed, comm_per_step(r, "wire_bytes"))
     if not per_run:
+        fig, ax = plt.subplots(figsize=(10, 5), dpi=110)
         ax.text(
             0.5,
             0.5,
@@ -208,23 +278,75 @@ def plot_comm(results: list[Result], path: Path) -> None:
             transform=ax.transAxes,
         )
         ax.set_axis_off()
-    else:
-        keys = sorted({k for v in per_run.values() for k in v})
-        xs = list(range(len(per_run)))
-        bottom = [0.0] * len(per_run)
-        for j, key in enumerate(keys):  # one bar per run, stacked by collective and dtype
-            ys = [v.get(key, 0.0) / 2**20 for v in per_run.values()]
-            ax.bar(xs, ys, width=0.5, bottom=bottom, label=key, color=f"C{j % 10}")
-            bottom = [b + y for b, y in zip(bottom, ys, strict=True)]
-        for x, total in zip(xs, bottom, strict=True):
-            ax.annotate(f"{total:.2f} MiB", (x, total), ha="center", va="bottom", fontsize=9)
-        ax.set_ylim(0, max(bottom) * 1.12 or 1.0)
-        ax.set_xticks(range(len(per_run)), list(per_run))
-        ax.set_xlim(-0.6, len(per_run) - 0.4)
-        ax.set_ylabel("MiB per optimizer step (sum over ranks)")
-        ax.set_title("Bytes handed to the gradient collectives per step, by collective and dtype")
-        ax.legend(title="collective dtype", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        ax.grid(True, axis="y", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+        return
+    rows = sum(len(h) + len(w or {}) for h, w in per_run.values())
+    fig, (ax, bx) = plt.subplots(
+        1, 2, figsize=(13, max(4.8, 1.6 + 0.3 * rows)), dpi=110, gridspec_kw={"width_ratios": [1, 1.5]}
+    )
+    mib = 2**20
+    ref_name, ratios = wire_ratios(results)
+    top = 0.0
+    for x, (name, (handed, wire)) in enumerate(per_run.items()):
+        color = colors[name]
+        h = sum(handed.values()) / mib
+        ax.bar(x - 0.2, h, width=0.38, color="white", edgecolor=color, hatch="///", linewidth=1.5)
+        ax.annotate(f"{h:.2f}", (x - 0.2, h), ha="center", va="bottom", fontsize=8)
+        top = max(top, h)
+        if wire is not None:
+            w = sum(wire.values()) / mib
+            ax.bar(x + 0.2, w, width=0.38, color=color, edgecolor=color, linewidth=1.5)
+            ratio = ratios.get(name)
+            note = f"{w:.2f}" + (f"\n{ratio:.2f}x" if ratio is not None and name != ref_name else "")
+            ax.annotate(note, (x + 0.2, w), ha="center", va="bottom", fontsize=8)
+            top = max(top, w)
+    ax.set_ylim(0, top * 1.45 or 1.0)  # room for the labels under the legend
+    ax.set_xticks(range(len(per_run)), list(per_run))
+    ax.set_xlim(-0.6, len(per_run) - 0.4)
+    ax.set_ylabel("MiB per optimizer step (sum over ranks)")
+    ax.set_title("Gradient collectives: handed over vs on the wire", fontsize=10)
+    ax.legend(
+        handles=[
+            Patch(facecolor="white", edgecolor="gray", hatch="///", label="handed to the collective"),
+            Patch(facecolor="gray", edgecolor="gray", label=f"sent on the wire (Nx: vs {ref_name})"),
+        ],
+        loc="upper right",
+        fontsize=8,
+    )
+    ax.grid(True, axis="y", alpha=0.3)
+
+    labels: list[str] = []
+    ys: list[float] = []
+    y = 0.0
+    for name, (handed, wire) in per_run.items():
+        color = colors[name]
+        for record, comm, solid in (("handed", handed, False), ("wire", wire or {}, True)):
+            for key, v in comm.items():
+                bx.barh(
+                    y,
+                    v / mib,
+                    height=0.7,
+                    color=color if solid else "white",
+                    edgecolor=color,
+                    hatch=None if solid else "///",
+                    linewidth=1.2,
+                )
+                bx.annotate(f" {human_bytes(v)}", (v / mib, y), va="center", fontsize=7)
+                labels.append(f"{name}  {record}: {key}")
+                ys.append(y)
+                y += 1
+        y += 0.5  # a gap between runs
+    bx.set_yticks(ys, labels, fontsize=7)
+    bx.invert_yaxis()
+    bx.set_xlabel("MiB per optimizer step (sum over ranks)")
+    bx.set_title("by collective and dtype / wire format", fontsize=10)
+    bx.grid(True, axis="x", alpha=0.3)
+    bx.set_xlim(0, top * 1.25 or 1.0)
+    fig.suptitle(
+        "Bytes of the gradient collectives per step (colour: run; hatched: handed over, solid: wire)"
+    )
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -38,11 +38,21 @@ WARMUP_STEPS = 3
 T_IMPORT = time.time()
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default, also for options without help text (which argparse's own
+    formatter skips); flags (no value) and options whose help already names the default are left
+    as they are."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.nargs == 0 or action.default is argparse.SUPPRESS or "(default" in text:
+            return text
+        default = "none" if action.default in ("", None) else "%(default)s"
+        return f"{text} (default: {default})".strip()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     g = p.add_argument_group("parallelism")
     g.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=2, help="ZeRO stage")
     g.add_argument(
@@ -53,7 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "multiply, else fp32 (bf16 is emulated, about 17x slower, on AVX2-only CPUs). "
         "fp16: GPUs only",
     )
-    g.add_argument("--offload", action="store_true", help="offload the optimizer to CPU (stage>=1)")
+    g.add_argument(
+        "--offload", action="store_true", help="offload the optimizer to CPU (stage>=1); off by default"
+    )
     g.add_argument("--nproc", type=int, default=None, help="ranks to launch (default: #GPUs, else 2)")
     g = p.add_argument_group("comparison")
     g.add_argument(
@@ -71,14 +83,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     g.add_argument("--seq-len", type=int, default=128, help="context length in bytes")
     g.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--eval-every", type=int, default=25, help="validation every N steps (and at end)")
+    g.add_argument("--seed", type=int, default=1234, help="seed of the weights and of the batches")
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        default=25,
+        help="validation every N steps, before the first and after the last",
+    )
     g.add_argument("--eval-batches", type=int, default=4, help="validation batches per rank")
     g.add_argument("--data-mb", type=float, default=4.0, help="MiB of stdlib source to train on")
     g = p.add_argument_group("model")
-    g.add_argument("--layers", type=int, default=4)
-    g.add_argument("--d-model", type=int, default=128)
-    g.add_argument("--heads", type=int, default=4)
+    g.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    g.add_argument("--d-model", type=int, default=128, help="model width")
+    g.add_argument("--heads", type=int, default=4, help="attention heads (must divide --d-model)")
     g = p.add_argument_group("output")
     g.add_argument("--out", default="reports/demo", help="report folder (written by rank 0)")
     args = p.parse_args(argv)
@@ -130,6 +147,19 @@ def list_runs() -> None:
 # ---------------------------------------------------------------------------- launcher
 
 
+def prebuild(args: argparse.Namespace) -> None:
+    """Build the C++ kernels of the plugins these runs use once, here, before the ranks start
+    (`python -m zerohooks.build`): the ranks then load them, and the build says what it does."""
+    try:
+        from zerohooks.build import TARGETS, build
+    except ImportError:
+        return
+    used = {p for spec in args.run_list for p in run_registry.resolve(spec, args.plugin_list).plugins}
+    targets = [t for t in TARGETS if t in used]
+    if targets:
+        build(targets)
+
+
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
     """Start this script under torch.distributed.run and return its exit status."""
     import torch
@@ -161,11 +191,12 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         f"--nproc-per-node={nproc}",
         str(Path(__file__).resolve()),
     ]  # our options go through the environment: torchrun's parser would take e.g. --nproc as its own
+    prebuild(args)
     where = f"{nproc} GPU rank(s), NCCL" if n_gpu else f"{nproc} CPU rank(s), gloo"
     print(f"train_gpt: launching {where}", flush=True)
     env["TRAIN_GPT_ARGV"] = json.dumps(argv)
     env["TRAIN_GPT_T0"] = str(T_IMPORT)
-    env["TRAIN_GPT_COMMAND"] = shlex.join(["python", sys.argv[0], *argv])
+    env["TRAIN_GPT_COMMAND"] = command_line()
     with tempfile.TemporaryDirectory(prefix="train_gpt_") as errors:
         env["TRAIN_GPT_ERROR_DIR"] = errors
         try:
@@ -173,6 +204,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         except KeyboardInterrupt:
             print("train_gpt: interrupted", file=sys.stderr)
             return 130
+        finish_report(args.out, rc)
         if rc != 0:
             why = [p.read_text().strip() for p in sorted(Path(errors).glob("rank*.txt"))]
             print(
@@ -188,14 +220,9 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
 
 def fast_bf16(cuda: bool) -> bool:
     """Whether bf16 matrix multiplies run natively here (GPU, or AVX512/AMX CPUs)."""
-    import torch
+    from zerohooks._compat import native_bf16
 
-    if cuda:
-        return bool(torch.cuda.is_bf16_supported())
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
+    return native_bf16(cuda)
 
 
 def resolve_dtype(args: argparse.Namespace, cuda: bool) -> str:
@@ -281,8 +308,36 @@ def peak_memory(cuda: bool) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
-def step_comm_bytes(engine: Any) -> dict[str, dict[str, int]] | None:
-    """Bytes per collective and dtype in the last step from zerohooks' counters, if any."""
+def command_line() -> str:
+    """The command line this process was started with, as typed (interpreter included)."""
+    argv = getattr(sys, "orig_argv", None) or ["python", *sys.argv]
+    return shlex.join(argv)
+
+
+def finish_report(out: str, rc: int) -> None:
+    """In the launcher, once the ranks are gone: put the wall time of the whole command (start-up
+    and shut-down included) into report.md and results.json, and print it."""
+    path = Path(out) / "results.json"
+    wall = round(time.time() - T_IMPORT, 1)
+    try:
+        data = json.loads(path.read_text())
+        if data.get("meta", {}).get("launch_t0") != T_IMPORT:
+            return  # not written by this command (it failed before its first report)
+        from report import markdown
+
+        data["meta"]["wall_time_s"] = wall
+        data["meta"]["wall_time_final"] = rc == 0
+        path.write_text(json.dumps(data, indent=1))
+        (Path(out) / "report.md").write_text(markdown(data["runs"], data["meta"]))
+    except (OSError, ValueError, KeyError, ImportError):
+        return
+    if rc == 0:
+        print(f"train_gpt: done in {wall:.0f} s; report: {Path(out).resolve()}", flush=True)
+
+
+def step_comm_bytes(engine: Any, wire: bool = False) -> dict[str, dict[str, int]] | None:
+    """Bytes per collective and dtype in the last step from zerohooks' counters, if any: handed
+    to the collective (before any owner), or sent on the wire (``wire=True``)."""
     try:
         import zerohooks
     except ImportError:
@@ -290,12 +345,30 @@ def step_comm_bytes(engine: Any) -> dict[str, dict[str, int]] | None:
     try:
         att = zerohooks.attachment(engine)
         counters = getattr(att, "counters", None) if att is not None else None
-        last = counters.last_step() if counters is not None else None
+        if counters is None:
+            return None
+        last = counters.last_step(wire=True) if wire else counters.last_step()
     except Exception:  # counters are optional decoration; never fail training for them
         return None
     if last is None:
         return None
     return {str(c): {str(d): int(n) for d, n in v.items()} for c, v in dict(last).items()}
+
+
+def sum_over_ranks(per_rank: list[list[Any]], steps: int) -> list[dict[str, dict[str, int]]] | None:
+    """Per step, ``{collective: {dtype: bytes}}`` summed over the ranks (None if a rank had none)."""
+    if not all(r[i] is not None for r in per_rank for i in range(steps)):
+        return None
+    summed = []
+    for i in range(steps):
+        step_sum: dict[str, dict[str, int]] = {}
+        for r in per_rank:
+            for coll, by_dtype in r[i].items():
+                for dt_name, n in by_dtype.items():
+                    d = step_sum.setdefault(coll, {})
+                    d[dt_name] = d.get(dt_name, 0) + n
+        summed.append(step_sum)
+    return summed
 
 
 def train_one(
@@ -316,6 +389,7 @@ def train_one(
         initialize = deepspeed.initialize
 
     rank, world, cuda = ctx["rank"], ctx["world_size"], ctx["cuda"]
+    t_run = time.time()
     config = run.config(ds_config(args, world))
     torch.manual_seed(args.seed)
     model = GPT(GPTConfig(seq_len=args.seq_len, n_layer=args.layers, n_head=args.heads, d_model=args.d_model))
@@ -347,7 +421,10 @@ def train_one(
     losses: list[float] = []
     times: list[float] = []
     comm: list[dict[str, dict[str, int]] | None] = []
-    val: list[tuple[int, float]] = []
+    wire: list[dict[str, dict[str, int]] | None] = []
+    val: list[tuple[int, float]] = [(0, evaluate(engine))]  # before training: where every run starts
+    if rank == 0:
+        print(f"[{run.name}] step 0: val loss {val[0][1]:.4f}", flush=True)
     bar = tqdm(
         total=args.steps,
         desc=f"{run.name}",
@@ -372,6 +449,7 @@ def train_one(
         losses.append(loss_value)
         times.append(dt)
         comm.append(step_comm_bytes(engine))
+        wire.append(step_comm_bytes(engine, wire=True))
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
         if step % args.eval_every == 0 or step == args.steps:
@@ -383,7 +461,7 @@ def train_one(
     peak = peak_memory(cuda)
 
     # gather every rank's numbers once, at the end (no extra collectives inside the loop)
-    mine = {"loss": losses, "time": times, "comm": comm, "peak": peak}
+    mine = {"loss": losses, "time": times, "comm": comm, "wire": wire, "peak": peak}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
     zero_cfg = config.get("zero_optimization", {})
@@ -406,20 +484,13 @@ def train_one(
         "peak_memory_bytes": max(g["peak"] for g in gathered),
         "memory_kind": memory_kind,
         "per_rank": gathered,
+        # per step, summed over ranks: bytes handed to the gradient collectives (what DeepSpeed
+        # hands over, in the communication dtype) and bytes sent to other ranks (what an owner
+        # of the collective such as loco really sends)
+        "comm_bytes": sum_over_ranks([g["comm"] for g in gathered], args.steps),
+        "wire_bytes": sum_over_ranks([g["wire"] for g in gathered], args.steps),
+        "wall_time_s": round(time.time() - t_run, 1),
     }
-    if all(g["comm"][i] is not None for g in gathered for i in range(args.steps)):
-        summed = []
-        for i in range(args.steps):
-            step_sum: dict[str, dict[str, int]] = {}
-            for g in gathered:
-                for coll, by_dtype in g["comm"][i].items():
-                    for dt_name, n in by_dtype.items():
-                        d = step_sum.setdefault(coll, {})
-                        d[dt_name] = d.get(dt_name, 0) + n
-            summed.append(step_sum)
-        result["comm_bytes"] = summed
-    else:
-        result["comm_bytes"] = None
 
     destroy = getattr(engine, "destroy", None)
     if callable(destroy):
@@ -505,7 +576,8 @@ def worker(args: argparse.Namespace) -> int:
             zh_version = None
         ctx: dict[str, Any] = {"rank": rank, "world_size": world, "cuda": cuda}
         meta: dict[str, Any] = {
-            "command": os.environ.get("TRAIN_GPT_COMMAND", shlex.join(["python", *sys.argv])),
+            "command": os.environ.get("TRAIN_GPT_COMMAND") or command_line(),
+            "launch_t0": float(os.environ.get("TRAIN_GPT_T0", "0")) or T_IMPORT,
             "world_size": world,
             "backend": backend,
             "device": torch.cuda.get_device_name(0)
@@ -561,9 +633,11 @@ def worker(args: argparse.Namespace) -> int:
         if rank == 0:
             table = [ln for ln in (folder / "report.md").read_text().splitlines() if ln[:1] == "|"]
             print("\n".join(table))
+            # under our own launcher, the launcher states the command's wall time once the
+            # ranks have exited (and writes it into report.md); under torchrun, this rank does
+            took = "" if "TRAIN_GPT_T0" in os.environ else f"done in {time.time() - t_start:.0f} s; "
             print(
-                f"done in {time.time() - t_start:.0f} s; report: {folder.resolve()} "
-                "(report.md, loss.png, comm_bytes.png, results.json)",
+                f"{took}report: {folder.resolve()} (report.md, loss.png, comm_bytes.png, results.json)",
                 flush=True,
             )
         dist.barrier()

@@ -1,8 +1,11 @@
-"""The main job end to end: the demo trains the GPT through zerohooks on 2 ranks and writes its report."""
+"""The main job end to end: the demo trains the GPT through zerohooks on 2 ranks, once as the bf16
+baseline and once with loco, and writes its report."""
 
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +13,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _total(step: dict[str, dict[str, int]]) -> int:
+    return sum(sum(v.values()) for v in step.values())
 
 
 @pytest.mark.multirank
@@ -27,7 +34,9 @@ def test_demo_trains_and_reports(tmp_path: Path) -> None:
         "--stage",
         "2",
         "--dtype",
-        "fp32",
+        "bf16",
+        "--runs",
+        "baseline,loco",
         "--out",
         str(out),
     ]
@@ -35,14 +44,40 @@ def test_demo_trains_and_reports(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for name in ("loss.png", "comm_bytes.png", "report.md"):
         assert (out / name).stat().st_size > 0, name
-    (run,) = json.loads((out / "results.json").read_text())["runs"]
-    assert run["status"] == "ok"
-    losses = run["train_loss"]
-    assert len(losses) == 30 and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5  # it learns
-    # The zerohooks counters saw every fp32 gradient element once per step on each rank (ZeRO 2
-    # reduces each slice to the rank that owns it): 4 bytes x parameters x 2 ranks.
-    params = json.loads((out / "results.json").read_text())["meta"]
-    assert run["comm_bytes"], "zerohooks counters missing from the demo report"
-    assert len(run["comm_bytes"]) == 30
-    for step in run["comm_bytes"]:
-        assert sum(sum(v.values()) for v in step.values()) == 4 * params["n_params"] * 2, step
+    data = json.loads((out / "results.json").read_text())
+    baseline, loco = data["runs"]
+    assert (baseline["name"], loco["name"]) == ("baseline", "loco")
+    assert baseline["status"] == "ok" and loco["status"] == "ok", loco.get("reason")
+    n_params = data["meta"]["n_params"]
+    for run in (baseline, loco):
+        losses = run["train_loss"]
+        assert len(losses) == 30 and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5  # it learns
+        assert [s for s, _ in run["val_loss"]] == [0, 15, 30]  # a validation point before training
+        # the zerohooks counters saw every bf16 gradient element once per step on each rank
+        assert run["comm_bytes"] and len(run["comm_bytes"]) == 30, "zerohooks counters missing"
+        for step in run["comm_bytes"]:
+            assert _total(step) == 2 * n_params * 2, step
+        assert run["wire_bytes"] and len(run["wire_bytes"]) == 30
+    # the baseline's all-reduce sends 2 (W-1)/W of its input per rank: as much as it hands over on 2 ranks
+    for step in baseline["wire_bytes"]:
+        assert set(step) == {"all_reduce"} and abs(_total(step) - 2 * n_params * 2) <= 4, step
+    # loco sends 4-bit codes and fp32 scales: about 0.27 of the baseline
+    assert {"int4 codes", "float32 scales"} <= set(loco["wire_bytes"][-1]["all_to_all"])
+    ratio = sum(map(_total, loco["wire_bytes"])) / sum(map(_total, baseline["wire_bytes"]))
+    assert 0.2 <= ratio <= 0.35, ratio
+
+    report = (out / "report.md").read_text()
+    # the ratio in the table is the one computed from the counters
+    row = next(ln for ln in report.splitlines() if ln.startswith("| loco |"))
+    (shown,) = re.findall(r"\| (\d+\.\d+)x \|", row)
+    assert 0.2 <= float(shown) <= 0.35 and abs(float(shown) - ratio) < 1e-3, row
+    assert "wire vs baseline" in report and "sent on the wire" in report
+    # the report names the command that ran and the wall time of that command
+    (command,) = re.findall(r"^Command: `(.*)`", report, flags=re.M)
+    assert shlex.split(command) == cmd, command
+    (wall,) = re.findall(r"Wall time of this command, from its start to its exit: ([\d.]+) s", report)
+    assert data["meta"]["wall_time_final"] is True
+    assert float(wall) == data["meta"]["wall_time_s"]
+    assert float(wall) >= sum(run["wall_time_s"] for run in data["runs"])
+    said = re.findall(r"train_gpt: done in (\d+) s", r.stdout)
+    assert said and abs(int(said[-1]) - float(wall)) <= 1, r.stdout[-2000:]

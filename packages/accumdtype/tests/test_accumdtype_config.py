@@ -60,7 +60,7 @@ def test_every_field_has_a_docstring() -> None:
         and isinstance(body[i + 1], ast.Expr)
         and isinstance(body[i + 1].value, ast.Constant)  # type: ignore[attr-defined]
     }
-    assert documented == set(AccumDtypeConfig.model_fields)
+    assert set(AccumDtypeConfig.model_fields) <= documented  # every field (class variables may be too)
 
 
 @pytest.mark.parametrize(

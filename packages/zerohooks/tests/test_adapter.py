@@ -67,7 +67,20 @@ def test_missing_deepspeed_internal_is_named() -> None:
         with pytest.raises(
             DeepSpeedInternalMissing, match=r"DeepSpeedZeroOptimizer\.allreduce_bucket.*DeepSpeed 0\.19"
         ):
-            zerohooks.initialize(model=model, model_parameters=model.parameters(), config=ds_config(2))
+            zerohooks.initialize(
+                model=model,
+                model_parameters=model.parameters(),
+                config=ds_config(2),
+                plugins=[RecordingPlugin()],
+            )
+        # without a plugin nothing needs it: the engine is left as DeepSpeed built it
+        model = make_model()
+        engine, *_ = zerohooks.initialize(
+            model=model, model_parameters=model.parameters(), config=ds_config(2)
+        )
+        att = zerohooks.attachment(engine)
+        assert att is not None and att.inert and "allreduce_bucket" in att.inert
+        assert "backward" not in vars(engine) and "process_gradients" not in vars(engine.optimizer)
     finally:
         DeepSpeedZeroOptimizer.allreduce_bucket = saved
 

@@ -59,6 +59,12 @@ def test_missing_plugin_names_the_distribution() -> None:
         split_plugin_sections({"loco": {"bits": 4}}, {})
 
 
+def test_missing_plugin_says_what_to_run_from_a_checkout() -> None:
+    with pytest.raises(PluginNotInstalledError, match=r"checkout.*pip install \./packages/nvmeswap \(") as e:
+        split_plugin_sections({"nvmeswap": {}}, {})
+    assert "once it is published on PyPI" in str(e.value)
+
+
 @pytest.mark.parametrize(
     "key", ["lcoo", "Loco", "loco ", "LOCO", "nvme_swap", "accum_dtype", "Mixed-Layers", "autocast"]
 )

@@ -9,7 +9,7 @@ and refuses the combinations that lose precision unless ``allow_lossy`` is set.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import pydantic
 import torch
@@ -74,6 +74,9 @@ def _normalise(value: Any) -> Any:
 class AccumDtypeConfig(PluginConfig):
     """The ``"accumdtype"`` section of the DeepSpeed config."""
 
+    auto_aliases: ClassVar[dict[str, str]] = {"reduce_dtype": "inherit"}
+    """``"auto"`` read as these words (see ``zerohooks.PluginConfig.auto_aliases``)."""
+
     dtype: DtypeName = "fp32"
     """Dtype gradients accumulate in across the micro-steps of one optimizer step (``fp32``,
     ``bf16``, ``fp16``; ``float32``/``bfloat16``/``float16`` are accepted too)."""
@@ -95,11 +98,6 @@ class AccumDtypeConfig(PluginConfig):
     @classmethod
     def _aliases(cls, value: Any) -> Any:
         return _normalise(value)
-
-    @pydantic.field_validator("reduce_dtype", mode="before")
-    @classmethod
-    def _auto(cls, value: Any) -> Any:
-        return "inherit" if value == "auto" else value
 
 
 def lossless(src: torch.dtype, dst: torch.dtype) -> bool:

@@ -133,10 +133,23 @@ def _rows(buf: torch.Tensor, rows: int, q_bytes: int) -> tuple[torch.Tensor, tor
     return grid[:, :q_bytes], grid[:, q_bytes:].view(torch.float32)
 
 
-def _a2a(state: LocoState, name: str, out: torch.Tensor, inp: torch.Tensor, group: Any, size: int) -> None:
+def _codes(state: LocoState) -> str:
+    """The wire format name of the codes (two 4-bit codes per byte, or one 8-bit code)."""
+    return f"int{state.bits} codes"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _a2a(
+    state: LocoState, name: str, out: torch.Tensor, inp: torch.Tensor, group: Any, size: int, q_bytes: int
+) -> None:
+    """All-to-all of ``size`` rows of ``q_bytes`` code bytes then fp32 scales, counted."""
     dist.all_to_all_single(out, inp, group=group)
     row = inp.numel() // size
-    state.stats.collective(name, inp.numel(), (size - 1) * row)
+    parts = {_codes(state): (size - 1) * q_bytes, "float32 scales": (size - 1) * (row - q_bytes)}
+    state.stats.collective(name, inp.numel(), (size - 1) * row, parts)
 
 
 def _send_receive(
@@ -175,7 +188,7 @@ def _send_receive(
             use_kernels=state.use_kernels,
         )
     recv = workspace(state, "recv1", L * row, device)
-    _a2a(state, "all_to_all", recv, send, topo.intra, L)
+    _a2a(state, "all_to_all", recv, send, topo.intra, L, q_bytes)
     recv_q, recv_s = _rows(recv, L, q_bytes)
     if not topo.two_level:
         return plans, recv_q, recv_s
@@ -198,7 +211,7 @@ def _send_receive(
             use_kernels=state.use_kernels,
         )
     recv2 = workspace(state, "recv2", N * row2, device)
-    _a2a(state, "all_to_all_inter", recv2, send2, topo.inter, N)
+    _a2a(state, "all_to_all_inter", recv2, send2, topo.inter, N, q2_bytes)
     q2, s2 = _rows(recv2, N, q2_bytes)
     return plans, q2, s2
 
@@ -263,7 +276,8 @@ def quantized_all_reduce(
     )
     gathered = workspace(state, "gather_out", W * mine.numel(), device)
     _all_gather(gathered, mine, group=topo.group)
-    state.stats.collective("all_gather", mine.numel(), (W - 1) * mine.numel())
+    parts = {_codes(state): (W - 1) * qb, "float32 scales": (W - 1) * 4 * ng}
+    state.stats.collective("all_gather", mine.numel(), (W - 1) * mine.numel(), parts)
     all_q, all_s = _rows(gathered, W, qb)
     # rank r's row is chunk r: as one row of W * chunk elements it decodes to the whole bucket
     codes = workspace(state, "codes", W * qb, device).view(1, W * qb)
@@ -294,7 +308,9 @@ def exact_reduce_scatter(
         off += c
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=topo.group)
-    state.stats.collective("exact", send.numel() * send.element_size(), (W - 1) * width * send.element_size())
+    wire = (W - 1) * width * send.element_size()
+    parts = {_dtype_name(dtype): wire}
+    state.stats.collective("exact", send.numel() * send.element_size(), wire, parts, op="all_to_all")
     total = recv.float().sum(dim=0)
     if divisor != 1:
         total = total / divisor
@@ -314,5 +330,6 @@ def exact_all_reduce(state: LocoState, topo: Topology, flat: torch.Tensor, divis
     if divisor != 1:
         flat.div_(divisor)
     nbytes = flat.numel() * flat.element_size()
-    state.stats.collective("exact", nbytes, 2 * (W - 1) / W * nbytes)
+    wire = 2 * (W - 1) / W * nbytes
+    state.stats.collective("exact", nbytes, wire, {_dtype_name(flat.dtype): wire}, op="all_reduce")
     state.stats.reduced(flat.numel(), "all_reduce", W)

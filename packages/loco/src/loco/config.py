@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import ClassVar, Literal
 
 import pydantic
 
@@ -13,6 +13,9 @@ __all__ = ["LocoConfig"]
 
 class LocoConfig(PluginConfig):
     """LoCo settings.  Every field is optional; ``"loco": {}`` (or ``true``) takes the defaults."""
+
+    auto_aliases: ClassVar[dict[str, str]] = {"hierarchy": "detect", "kernels": "compiled"}
+    """``"auto"`` read as these words (see ``zerohooks.PluginConfig.auto_aliases``)."""
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
@@ -67,13 +70,3 @@ class LocoConfig(PluginConfig):
     has none).  ``reference``: always the pure-torch reference.  ``"auto"`` is also accepted (stored
     as ``compiled``), but Trainer/accelerate reject any ``"auto"`` they cannot fill themselves:
     leave the key out there."""
-
-    @pydantic.field_validator("hierarchy", mode="before")
-    @classmethod
-    def _hierarchy_auto(cls, value: Any) -> Any:
-        return "detect" if value == "auto" else value
-
-    @pydantic.field_validator("kernels", mode="before")
-    @classmethod
-    def _kernels_auto(cls, value: Any) -> Any:
-        return "compiled" if value == "auto" else value

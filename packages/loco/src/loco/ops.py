@@ -31,6 +31,7 @@ __all__ = [
     "CSRC",
     "available",
     "build_error",
+    "build_name",
     "cpu_build_flags",
     "dequant_reduce",
     "dequant_reduce_requant",
@@ -60,6 +61,11 @@ def cpu_build_flags() -> list[str]:
     return ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", *isa]
 
 
+def build_name(device_type: str = "cpu") -> str:
+    """The extension name (folder under ``TORCH_EXTENSIONS_DIR``) of the ``device_type`` kernels."""
+    return f"loco_cpu_{_cpu_tag()}" if device_type == "cpu" else f"loco_{device_type}"
+
+
 # nvcc flags of the CUDA kernels: no multiply-add contraction (every product rounded on its own,
 # as in the reference); tests compile the sources with the same flags
 CUDA_CFLAGS = ["-O3", "--fmad=false"]
@@ -68,19 +74,28 @@ CUDA_CFLAGS = ["-O3", "--fmad=false"]
 def _build(name: str, sources: list[Path], cuda: bool = False) -> None:
     from torch.utils.cpp_extension import load as cpp_load
 
+    from zerohooks.jit import announce_build, extension_cached
+
     kwargs: dict[str, Any] = {}
     if cuda:
         kwargs["extra_cuda_cflags"] = list(CUDA_CFLAGS)
-    cpp_load(
-        name=name,
-        sources=[str(s) for s in sources],
-        extra_cflags=cpu_build_flags(),
-        extra_ldflags=["-fopenmp"],
-        extra_include_paths=[str(CSRC)],
-        is_python_module=False,
-        verbose=os.environ.get("LOCO_VERBOSE_BUILD", "") not in ("", "0"),
-        **kwargs,
-    )
+    with announce_build(
+        f"loco's {'CUDA' if cuda else 'CPU'} kernels ({name})",
+        why="loco's 4-bit quantize/reduce operators; LOCO_KERNELS=reference skips them (slower, same results)",
+        eta="a few minutes" if cuda else "about 1 min on 2 CPU cores",
+        hint="python -m zerohooks.build loco",
+        cached=extension_cached(name),
+    ):
+        cpp_load(
+            name=name,
+            sources=[str(s) for s in sources],
+            extra_cflags=cpu_build_flags(),
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(CSRC)],
+            is_python_module=False,
+            verbose=os.environ.get("LOCO_VERBOSE_BUILD", "") not in ("", "0"),
+            **kwargs,
+        )
 
 
 def _try(device: str, name: str, sources: list[Path], cuda: bool = False) -> bool:
@@ -107,14 +122,16 @@ def load(device_type: str = "cpu") -> bool:
         if os.environ.get("LOCO_KERNELS", "") == "reference":
             _errors[device_type] = "disabled by LOCO_KERNELS=reference"
         elif device_type == "cpu":
-            ok = _try("cpu", f"loco_cpu_{_cpu_tag()}", [CSRC / "loco_ops.cpp"])
+            ok = _try("cpu", build_name("cpu"), [CSRC / "loco_ops.cpp"])
         elif device_type == "cuda":
             if not load("cpu"):  # the schemas live in the CPU library
                 _errors["cuda"] = "the CPU library (operator schemas) is not available"
             elif not torch.cuda.is_available():
                 _errors["cuda"] = "no CUDA device"
             else:
-                ok = _try("cuda", "loco_cuda", [CSRC / "loco_cuda.cpp", CSRC / "loco_kernels.cu"], cuda=True)
+                ok = _try(
+                    "cuda", build_name("cuda"), [CSRC / "loco_cuda.cpp", CSRC / "loco_kernels.cu"], cuda=True
+                )
         else:
             _errors[device_type] = f"no kernels for device type {device_type!r}"
         if ok:

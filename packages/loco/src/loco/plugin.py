@@ -133,7 +133,9 @@ class LocoPlugin(ZeroPlugin):
 
     :attr:`state` is the algorithm state (error buffers, counters); :attr:`stats` counts, per
     optimizer step, the bytes this rank hands to collectives and sends on the wire, next to
-    what a bf16 reduction of the same gradients would cost.
+    what a bf16 reduction of the same gradients would cost.  The wire bytes are also reported to
+    the engine's ``zerohooks.attachment(engine).counters`` (``last_step(wire=True)``), by
+    collective and format (codes, scales, exact path's dtype).
     """
 
     name = "loco"
@@ -190,6 +192,9 @@ class LocoPlugin(ZeroPlugin):
         self._check_skippable = True
         self.state.loss_scale = next_loss_scale(engine)
         self.reducer.names = {id(p): n for n, p in engine.module.named_parameters()}
+        att = zerohooks.attachment(engine)
+        # what loco really sends goes to zerohooks' counters too (their wire record)
+        self.state.stats.sink = att.counters if att is not None else None
         if not (dist.is_available() and dist.is_initialized()):
             return
         world = dist.get_world_size()
@@ -201,6 +206,7 @@ class LocoPlugin(ZeroPlugin):
         self.state.buffers.clear()
         self.state.workspaces.clear()
         self.reducer.names = {}
+        self.state.stats.sink = None
         self.engine = None
 
     # -- hooks -----------------------------------------------------------------------------------

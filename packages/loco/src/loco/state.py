@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -73,26 +74,46 @@ class CommStats:
     Per step, a dict of: ``elements`` (gradient elements reduced), ``wire_bytes`` (bytes this rank
     sends to other ranks: ``(P-1)/P`` of an all-to-all input over P ranks, ``P-1`` times its
     all-gather input, ``2(P-1)/P`` of an exact all-reduce), ``handed_bytes`` (input bytes given to
-    the collectives, as zerohooks' own counters count them), ``bf16_wire_bytes`` /
-    ``bf16_handed_bytes`` (the same for a bf16 all-reduce, or reduce-scatter on ZeRO 3, of the same
-    elements: the baseline), and ``wire:<collective>`` per collective (``all_to_all`` within a
-    node or flat, ``all_to_all_inter`` between nodes, ``all_gather``, ``exact``).
+    loco's own collectives: codes, scales and padding, or the exact path's tensors),
+    ``bf16_wire_bytes`` / ``bf16_handed_bytes`` (the same for a bf16 all-reduce, or reduce-scatter
+    on ZeRO 3, of the same elements: the baseline), and ``wire:<collective>`` per collective
+    (``all_to_all`` within a node or flat, ``all_to_all_inter`` between nodes, ``all_gather``,
+    ``exact``).
+
+    ``sink``, when set (the plugin sets it to ``zerohooks.attachment(engine).counters``), receives
+    the same wire bytes through ``sink.add_wire(collective, format, nbytes)``, split by format
+    (``"int4 codes"`` or ``"int8 codes"``, ``"float32 scales"``, or the exact path's dtype), so
+    zerohooks' counters show what loco really sends.
     """
 
-    __slots__ = ("current", "history")
+    __slots__ = ("current", "history", "sink")
 
     def __init__(self, maxlen: int = 100_000) -> None:
         self.current: dict[str, int] = {}
         self.history: collections.deque[dict[str, int]] = collections.deque(maxlen=maxlen)
+        self.sink: Any = None
 
     def add(self, key: str, value: float) -> None:
         self.current[key] = self.current.get(key, 0) + round(value)
 
-    def collective(self, name: str, handed: int, wire: float) -> None:
-        """Count one collective call: ``handed`` input bytes, ``wire`` bytes sent to others."""
+    def collective(
+        self,
+        name: str,
+        handed: int,
+        wire: float,
+        parts: Mapping[str, float] | None = None,
+        op: str | None = None,
+    ) -> None:
+        """Count one collective call: ``handed`` input bytes, ``wire`` bytes sent to others.
+
+        ``parts`` splits ``wire`` by format for the sink (default: all of it as ``"uint8"``), and
+        ``op`` names the torch collective that ran (default ``name``)."""
         self.add("handed_bytes", handed)
         self.add("wire_bytes", wire)
         self.add(f"wire:{name}", wire)
+        if self.sink is not None:
+            for fmt, nbytes in (parts or {"uint8": wire}).items():
+                self.sink.add_wire(op or name, fmt, round(nbytes))
 
     def reduced(self, numel: int, op: str, world: int) -> None:
         """Count ``numel`` gradient elements and what bf16 would have cost for them."""

@@ -68,16 +68,25 @@ def _simd_flags() -> tuple[str, list[str]]:
 def _build() -> None:
     from torch.utils.cpp_extension import load as jit_load
 
+    from zerohooks.jit import announce_build, extension_cached
+
     name, simd = _simd_flags()
-    jit_load(
-        name=name,
-        sources=[str(CSRC / "nvmeswap_adam.cpp")],
-        # -ffp-contract=off: every multiply and add rounded as torch's kernels round them
-        extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp", *simd],
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-        verbose=os.environ.get("NVMESWAP_VERBOSE_BUILD", "") not in ("", "0"),
-    )
+    with announce_build(
+        f"nvmeswap's fused Adam kernel ({name})",
+        why="the optimizer step on swapped-in state; NVMESWAP_ADAM=python skips it (torch operations)",
+        eta="about 30 s on 2 CPU cores",
+        hint="python -m zerohooks.build nvmeswap",
+        cached=extension_cached(name),
+    ):
+        jit_load(
+            name=name,
+            sources=[str(CSRC / "nvmeswap_adam.cpp")],
+            # -ffp-contract=off: every multiply and add rounded as torch's kernels round them
+            extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp", *simd],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=os.environ.get("NVMESWAP_VERBOSE_BUILD", "") not in ("", "0"),
+        )
 
 
 def _agrees_with_torch(fma: bool) -> bool:

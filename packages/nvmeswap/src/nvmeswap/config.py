@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import pydantic
 
@@ -13,6 +13,9 @@ __all__ = ["NvmeSwapConfig", "rewrite_offload"]
 
 class NvmeSwapConfig(PluginConfig):
     """``"nvmeswap": {...}``, next to ``zero_optimization.offload_optimizer: {"device": "nvme"}``."""
+
+    auto_aliases: ClassVar[dict[str, str]] = {"io_engine": "detect", "fused_adam": "when_supported"}
+    """``"auto"`` read as these words (see ``zerohooks.PluginConfig.auto_aliases``)."""
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
@@ -46,16 +49,9 @@ class NvmeSwapConfig(PluginConfig):
     but Trainer/accelerate reject any ``"auto"`` they cannot fill themselves: leave the key out
     there."""
 
-    @pydantic.field_validator("io_engine", mode="before")
-    @classmethod
-    def _io_engine_auto(cls, value: Any) -> Any:
-        return "detect" if value == "auto" else value
-
     @pydantic.field_validator("fused_adam", mode="before")
     @classmethod
     def _fused_adam_auto(cls, value: Any) -> Any:
-        if value == "auto":
-            return "when_supported"
         if isinstance(value, bool) or value == "when_supported":
             return value
         raise ValueError('use true, false or "when_supported"')

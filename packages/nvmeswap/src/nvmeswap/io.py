@@ -90,12 +90,21 @@ def load_native(build: bool = True) -> Any:
         try:
             from torch.utils.cpp_extension import load
 
-            _native = load(
-                name="nvmeswap_io",
-                sources=[str(CSRC / "nvmeswap_io.cpp")],
-                extra_cflags=["-O3"],
-                verbose=os.environ.get("NVMESWAP_VERBOSE_BUILD", "") not in ("", "0"),
-            )
+            from zerohooks.jit import announce_build, extension_cached
+
+            with announce_build(
+                "nvmeswap's C++ I/O engine (nvmeswap_io)",
+                why="asynchronous swap-file reads and writes; NVMESWAP_IO=python skips it (slower)",
+                eta="about 30 s on 2 CPU cores",
+                hint="python -m zerohooks.build nvmeswap",
+                cached=extension_cached("nvmeswap_io"),
+            ):
+                _native = load(
+                    name="nvmeswap_io",
+                    sources=[str(CSRC / "nvmeswap_io.cpp")],
+                    extra_cflags=["-O3"],
+                    verbose=os.environ.get("NVMESWAP_VERBOSE_BUILD", "") not in ("", "0"),
+                )
         except Exception as e:  # no compiler, build or load error: fall back, never crash
             _error = f"{type(e).__name__}: {e}"
             _warn_fallback(f"could not build it: {_error}")

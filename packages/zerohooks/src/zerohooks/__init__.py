@@ -9,9 +9,16 @@ from __future__ import annotations
 import deepspeed as _deepspeed
 
 from zerohooks.__about__ import __version__
-from zerohooks._compat import SUPPORTED_DEEPSPEED, check_deepspeed_version, next_loss_scale
+from zerohooks._compat import (
+    SUPPORTED_DEEPSPEED,
+    announce_deepspeed_op_builds,
+    check_deepspeed_version,
+    next_loss_scale,
+    skip_deepspeed_compiles,
+)
 
 check_deepspeed_version(_deepspeed.__version__)
+announce_deepspeed_op_builds()  # DeepSpeed's minutes-long JIT builds say so when they start
 
 from zerohooks.adapter import Attachment, attachment_of, detach, step_context  # noqa: E402
 from zerohooks.config import ENTRY_POINT_GROUP, KNOWN_PLUGINS, available_plugins  # noqa: E402
@@ -61,5 +68,6 @@ __all__ = [
     "enabled",
     "initialize",
     "next_loss_scale",
+    "skip_deepspeed_compiles",
     "step_context",
 ]

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 import difflib
 import importlib
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -71,26 +71,56 @@ def available_plugins() -> dict[str, type[ZeroPlugin]]:
     return {name: _load(ep) for name, ep in _entry_points().items()}
 
 
+def _parse(text: str, where: str, duplicates: bool) -> dict[str, Any]:
+    """``text`` parsed as DeepSpeed parses a config: HJSON (JSON plus comments and unquoted keys),
+    duplicate keys refused where DeepSpeed refuses them (in files)."""
+    import hjson  # type: ignore[import-untyped]  # a dependency of DeepSpeed, without type hints
+    from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys
+
+    try:
+        if duplicates:
+            data = hjson.loads(text, object_pairs_hook=dict_raise_error_on_duplicate_keys)
+        else:
+            data = hjson.loads(text)
+    except ValueError as e:  # hjson.HjsonDecodeError and DeepSpeed's duplicate-key error
+        raise ConfigError(f"DeepSpeed config {where} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"DeepSpeed config {where} must hold a JSON object, not {type(data).__name__}")
+    return dict(data)
+
+
+def _base64(config: str) -> dict[str, Any] | None:
+    """``config`` decoded as DeepSpeed decodes a config passed as URL-safe base64, or None."""
+    try:
+        text = base64.urlsafe_b64decode(config).decode("utf-8")
+        return _parse(text, "(base64)", duplicates=False)
+    except (ValueError, UnicodeDecodeError):  # ConfigError is a ValueError
+        return None
+
+
 def load_config(config: Any) -> dict[str, Any]:
-    """A private copy of ``config`` given as a dict or a path to a JSON file."""
+    """A private copy of ``config``, read as ``deepspeed.initialize`` reads it: a dict, a path to a
+    JSON (or HJSON) file, or a string holding the config in URL-safe base64 (as the ``deepspeed``
+    launcher passes it).  :class:`ConfigError` when it cannot be read."""
     if config is None:
         return {}
     if isinstance(config, Mapping):
         return copy.deepcopy(dict(config))
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"DeepSpeed config file {path!r} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"DeepSpeed config file {path!r} is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(
-                f"DeepSpeed config file {path!r} must hold a JSON object, not {type(data).__name__}"
-            )
-        return data
+        if os.path.exists(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ConfigError(f"DeepSpeed config file {path!r} cannot be read: {e}") from None
+            return _parse(text, f"file {path!r}", duplicates=True)
+        decoded = _base64(config) if isinstance(config, str) else None
+        if decoded is not None:
+            return decoded
+        raise ConfigError(
+            f"DeepSpeed config file {path!r} does not exist (nor is it a base64-encoded config)"
+        )
     raise ConfigError(f"config must be a dict or a path to a JSON file, not {type(config).__name__}")
 
 
@@ -196,8 +226,11 @@ def split_plugin_sections(
             continue
         if key not in names:
             raise PluginNotInstalledError(
-                f'the DeepSpeed config has a "{key}" section but the {key} plugin is not installed: '
-                f"pip install {KNOWN_PLUGINS[key]}"
+                f'the DeepSpeed config has a "{key}" section but the {key} plugin is not installed. '
+                f"From a checkout of the zerohooks repository: pip install ./packages/"
+                f"{KNOWN_PLUGINS[key].removeprefix('zerohooks-')} (distribution {KNOWN_PLUGINS[key]}; "
+                f"pip install {KNOWN_PLUGINS[key]} once it is published on PyPI). Or remove the section, "
+                f'or set "{key}": false'
             )
         cls = plugins[key] if plugins is not None else _load(eps[key])
         if section is True:

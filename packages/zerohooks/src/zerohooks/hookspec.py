@@ -301,6 +301,12 @@ class GradientReducer(abc.ABC):
     At most one per engine.  Without an owner DeepSpeed's own collectives run unchanged.  The
     adapter casts to the communication dtype and hands the result back to DeepSpeed; the
     reducer only moves and averages data.
+
+    The adapter counts the bytes handed to :meth:`reduce` (``CommCounters.add``).  An owner that
+    sends something else than it was handed (compressed codes, scales) reports what this rank
+    really sends with ``zerohooks.attachment(engine).counters.add_wire(collective, format,
+    nbytes)`` during the call; a call it reports nothing for is counted as DeepSpeed's own
+    collective would be (ring model, ``counters.ring_wire_bytes``).
     """
 
     @abc.abstractmethod

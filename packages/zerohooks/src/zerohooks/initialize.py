@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import inspect
 import os
 from collections.abc import Sequence
@@ -25,28 +24,72 @@ def _enabled(section: Any) -> bool:
     return isinstance(section, dict) and bool(section.get("enabled", False))
 
 
+def _stage(zero: Any) -> int:
+    if isinstance(zero, bool):  # DeepSpeed's legacy form: "zero_optimization": true is stage 1
+        return 1 if zero else 0
+    if not isinstance(zero, dict):
+        raise ConfigError("zero_optimization must be a JSON object")
+    try:
+        stage = int(zero.get("stage", 0))
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"zero_optimization.stage must be 0, 1, 2 or 3, not {zero.get('stage')!r}"
+        ) from None
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, not {stage}")
+    return stage
+
+
+def _world_rank() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size(), torch.distributed.get_rank()
+    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+
+
 def setup_context(ds_config: dict[str, Any]) -> SetupContext:
     """What the plugins are told about the run, read from DeepSpeed's part of the config."""
     zero = ds_config.get("zero_optimization") or {}
-    if not isinstance(zero, dict):
-        raise ConfigError("zero_optimization must be a JSON object")
-    stage = int(zero.get("stage", 0))
-    if stage not in (0, 1, 2, 3):
-        raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, not {stage}")
+    stage = _stage(zero)
     bf16 = _enabled(ds_config.get("bf16")) or _enabled(ds_config.get("bfloat16"))
     fp16 = _enabled(ds_config.get("fp16"))
     if bf16 and fp16:
         raise ConfigError("both bf16 and fp16 are enabled in the DeepSpeed config; enable one of them")
     dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
-    offload = zero.get("offload_optimizer") or {}
+    offload = (zero.get("offload_optimizer") or {}) if isinstance(zero, dict) else {}
     device = offload.get("device") if isinstance(offload, dict) else None
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    else:
-        world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    world, rank = _world_rank()
     return SetupContext(
         config=ds_config,
         zero_stage=stage,
+        train_dtype=dtype,
+        offload_optimizer=None if device in (None, "none") else str(device),
+        world_size=world,
+        rank=rank,
+    )
+
+
+def _engine_context(engine: Any, ds_config: dict[str, Any]) -> SetupContext:
+    """The :class:`SetupContext` of an engine DeepSpeed built from a config that
+    :func:`setup_context` does not read (only without plugins: DeepSpeed judges its own config).
+    Read from the engine's own accessors, where it has them."""
+
+    def ask(name: str, default: Any) -> Any:
+        fn = getattr(engine, name, None)
+        return fn() if callable(fn) else default
+
+    dtype = (
+        torch.bfloat16
+        if ask("bfloat16_enabled", False)
+        else torch.float16
+        if ask("fp16_enabled", False)
+        else torch.float32
+    )
+    device = getattr(ask("zero_offload_optimizer", None), "device", None)
+    device = getattr(device, "value", device)  # DeepSpeed's OffloadDeviceEnum
+    world, rank = _world_rank()
+    return SetupContext(
+        config=ds_config,
+        zero_stage=int(ask("zero_optimization_stage", 0)),
         train_dtype=dtype,
         offload_optimizer=None if device in (None, "none") else str(device),
         world_size=world,
@@ -65,16 +108,21 @@ def initialize(*args: Any, plugins: Sequence[ZeroPlugin] = (), **kwargs: Any) ->
     ds_initialize = original_initialize()  # DeepSpeed's own function, never a router: no recursion
     bound = inspect.signature(ds_initialize).bind(*args, **kwargs)
     params = bound.arguments
-    ds_args = params.get("args")
+    ds_args: Any = params.get("args")
     source: Any = params.get("config")
     if source is None:
         source = params.pop("config_params", None)
-    if source is None and ds_args is not None and getattr(ds_args, "deepspeed_config", None):
+    from_args = source is None and ds_args is not None and getattr(ds_args, "deepspeed_config", None)
+    if from_args:
         source = ds_args.deepspeed_config
-        ds_args = copy.copy(ds_args)
-        ds_args.deepspeed_config = None  # the config now travels as a dict
-        params["args"] = ds_args
-    ds_config = load_config(source)
+    try:
+        ds_config = load_config(source)
+    except ConfigError:
+        if plugins:
+            raise
+        # a config zerohooks cannot read has no plugin section and DeepSpeed cannot read it
+        # either: DeepSpeed raises its own error, as without zerohooks
+        return ds_initialize(*args, **kwargs)
     enabled = [*split_plugin_sections(ds_config), *plugins]
     names = [p.name for p in enabled]
     dupes = sorted({n for n in names if names.count(n) > 1})
@@ -84,14 +132,21 @@ def initialize(*args: Any, plugins: Sequence[ZeroPlugin] = (), **kwargs: Any) ->
         p.peers = tuple(n for n in names if n != p.name)
     for p in enabled:
         p.edit_deepspeed_config(ds_config)
-    ctx = setup_context(ds_config)
+    ctx: SetupContext | None
+    try:
+        ctx = setup_context(ds_config)
+    except ConfigError:
+        if enabled:
+            raise
+        ctx = None  # no plugin to tell: DeepSpeed judges its own config (it may accept it)
     registry = HookRegistry()
-    for p in enabled:
-        p.attach(registry, ctx)
-    if params.get("model") is not None:
-        params["model"] = registry.run_prepare_model(params["model"], ctx)
+    if ctx is not None:
+        for p in enabled:
+            p.attach(registry, ctx)
+        if params.get("model") is not None:
+            params["model"] = registry.run_prepare_model(params["model"], ctx)
     client = params.get("optimizer")
-    if registry.prepare_parameters.frozen:
+    if ctx is not None and registry.prepare_parameters.frozen:
         model = params.get("model")
         if (
             params.get("model_parameters") is None
@@ -117,10 +172,23 @@ def initialize(*args: Any, plugins: Sequence[ZeroPlugin] = (), **kwargs: Any) ->
                     "zerohooks.initialize"
                 )
             client.param_groups[:] = groups
-    if source is not None:
+    if from_args:
+        # DeepSpeed refuses a config in both args and config=: hand it over in config= and lift
+        # it from the caller's args for the call only (DeepSpeed writes args.local_rank back
+        # into the caller's own object, as without zerohooks)
         params["config"] = ds_config
-    result = ds_initialize(*bound.args, **bound.kwargs)
+        try:
+            ds_args.deepspeed_config = None
+            result = ds_initialize(*bound.args, **bound.kwargs)
+        finally:
+            ds_args.deepspeed_config = source
+    else:
+        if source is not None:
+            params["config"] = ds_config
+        result = ds_initialize(*bound.args, **bound.kwargs)
     engine = result[0]
+    if ctx is None:
+        ctx = _engine_context(engine, ds_config)
     attach(engine, registry, ctx, enabled)
     try:
         for p in enabled:

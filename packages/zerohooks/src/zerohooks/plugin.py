@@ -18,6 +18,22 @@ class PluginConfig(pydantic.BaseModel):
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
+    auto_aliases: ClassVar[dict[str, str]] = {}
+    """Keys whose value ``"auto"`` is read as the given word before validation (the config then
+    holds that word).  Plugins document their own words: Hugging Face Trainer and accelerate
+    reject any ``"auto"`` in the DeepSpeed config that they cannot fill themselves, so ``"auto"``
+    is only an alias for configs handed to DeepSpeed directly."""
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _read_auto_aliases(cls, data: Any) -> Any:
+        if cls.auto_aliases and isinstance(data, dict):
+            return {
+                k: cls.auto_aliases[k] if v == "auto" and k in cls.auto_aliases else v
+                for k, v in data.items()
+            }
+        return data
+
 
 class ZeroPlugin:
     """A zerohooks plugin.  Every method is a no-op; subclasses override what they need.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from zerohooks.adapter.base import Attachment, attachment_of, step_context
@@ -12,6 +13,8 @@ from zerohooks.registry import HookRegistry
 
 __all__ = ["Attachment", "attach", "attachment_of", "detach", "step_context"]
 
+
+_log = logging.getLogger("zerohooks")
 
 _STAGE_HOOKS = ("micro_step_grad", "reduce_dtype", "reduce_tensor", "gather_dtype")
 
@@ -74,6 +77,20 @@ def attach(engine: Any, registry: HookRegistry, setup: SetupContext, plugins: li
             else:
                 from zerohooks.adapter import zero3 as mod  # type: ignore[no-redef]
             mod.install(att)
+    except Exception as e:
+        att.detach()
+        if plugins or any(registry.summary().values()):
+            raise
+        # Nothing is attached: the patches only counted bytes and micro-steps. An engine they
+        # do not fit (a DeepSpeed internal missing on this instance) stays as DeepSpeed built
+        # it rather than fail a run that asked for no plugin.
+        att.inert = f"{type(e).__name__}: {e}"
+        _log.warning(
+            "zerohooks: no plugin enabled and the adapter does not fit this %s (%s); the engine is left "
+            "as DeepSpeed built it (no communication counters)",
+            type(engine).__name__,
+            att.inert,
+        )
     except BaseException:
         att.detach()
         raise

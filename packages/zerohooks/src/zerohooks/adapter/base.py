@@ -55,6 +55,8 @@ class Attachment:
         self._patches: list[tuple[Any, str, Any]] = []
         self._handles: list[Any] = []
         self.attached = False
+        self.inert: str | None = None
+        """Why nothing is installed on this engine (no plugin, and the adapter did not fit it), or None."""
 
     # -- patching ------------------------------------------------------------------------------
     def patch(self, obj: Any, name: str, make: Callable[[Any], Any], what: str | None = None) -> None:
@@ -123,12 +125,18 @@ class Attachment:
         for fn in self.registry.micro_step_grad.frozen:
             fn(param, ctx)
 
-    def owner_all_reduce(self, flat: torch.Tensor, group: Any, average: bool, params: Any = ()) -> None:
-        """Hand one flat tensor to the owning reducer (in place)."""
+    def owner_all_reduce(
+        self, flat: torch.Tensor, group: Any, average: bool, params: Any = (), collective: str = "all_reduce"
+    ) -> None:
+        """Hand one flat tensor to the owning reducer (in place), in place of DeepSpeed's
+        ``collective`` (counted on the wire as that collective if the owner reports nothing)."""
         reducer = self.registry.reducer.owner
         assert reducer is not None
         world = torch.distributed.get_world_size(group=group)
+        reports = self.counters.wire_reports
         reducer.reduce(ReduceBucket("all_reduce", [flat], list(params), flat.dtype, group, world, average))
+        if self.counters.wire_reports == reports:
+            self.counters.add_default_wire(collective, flat.dtype, flat.numel() * flat.element_size(), world)
 
     def check_default_averaging(self, predivide: float) -> None:
         """An owner of the collective supports DeepSpeed's default averaging only."""

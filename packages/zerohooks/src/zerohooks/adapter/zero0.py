@@ -28,7 +28,9 @@ def install(att: Attachment) -> None:
         def allreduce_bucket(bucket: list[torch.Tensor], dp_group: Any, dp_world_size: Any = None) -> Any:
             default = engine.communication_data_type
             if not hooked:
-                counters.add("all_reduce", default, sum(t.numel() for t in bucket) * default.itemsize)
+                nbytes = sum(t.numel() for t in bucket) * default.itemsize
+                counters.add("all_reduce", default, nbytes)
+                counters.add_default_wire("all_reduce", default, nbytes, dist.get_world_size(group=dp_group))
                 return original(bucket, dp_group, dp_world_size)
             by_ptr = {p.grad.data_ptr(): p for p in params if p.grad is not None}
             groups: dict[torch.dtype, list[tuple[torch.Tensor, Any]]] = {}
@@ -46,6 +48,12 @@ def install(att: Attachment) -> None:
                 if reg.reducer.owner is not None:
                     att.owner_all_reduce(flat, dp_group, engine.gradient_average, [p for _, p in items])
                 else:
+                    counters.add_default_wire(
+                        "all_reduce",
+                        dtype,
+                        flat.numel() * dtype.itemsize,
+                        dist.get_world_size(group=dp_group),
+                    )
                     dist.all_reduce(flat, group=dp_group)
                     if engine.gradient_average:
                         flat.div_(world)

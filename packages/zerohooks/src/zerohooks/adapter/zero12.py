@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from zerohooks._compat import require_attr
 from zerohooks.adapter.base import Attachment
@@ -74,17 +75,17 @@ def install(att: Attachment) -> None:
             process_group: Any = None,
         ) -> Any:
             numel = sum(t.numel() for t in bucket)
-            counters.add(
-                "all_reduce" if rank is None else "reduce",
-                communication_data_type,
-                numel * communication_data_type.itemsize,
-            )
-            if not owner:
-                return original(bucket, communication_data_type, rank, log, divide, process_group)
+            collective = "all_reduce" if rank is None else "reduce"
+            nbytes = numel * communication_data_type.itemsize
+            counters.add(collective, communication_data_type, nbytes)
             group = opt.dp_process_group if process_group is None else process_group
+            if not owner:
+                world = dist.get_world_size(group=group)
+                counters.add_default_wire(collective, communication_data_type, nbytes, world)
+                return original(bucket, communication_data_type, rank, log, divide, process_group)
             tensor = opt.flatten(bucket)
             flat = tensor if tensor.dtype == communication_data_type else tensor.to(communication_data_type)
-            att.owner_all_reduce(flat, group, bool(divide and opt.gradient_average))
+            att.owner_all_reduce(flat, group, bool(divide and opt.gradient_average), collective=collective)
             if flat is not tensor:
                 tensor.copy_(flat)
             return flat
@@ -96,10 +97,11 @@ def install(att: Attachment) -> None:
     def make_predivide(original: Callable[..., Any]) -> Callable[..., Any]:
         # Used instead of the above when zero_optimization.reduce_scatter is false.
         def gradient_reduction_w_predivide(tensor: torch.Tensor, communication_data_type: torch.dtype) -> Any:
-            counters.add(
-                "all_reduce", communication_data_type, tensor.numel() * communication_data_type.itemsize
-            )
+            nbytes = tensor.numel() * communication_data_type.itemsize
+            counters.add("all_reduce", communication_data_type, nbytes)
             if not owner or tensor.numel() == 0:
+                world = dist.get_world_size(group=opt.dp_process_group)
+                counters.add_default_wire("all_reduce", communication_data_type, nbytes, world)
                 return original(tensor, communication_data_type)
             flat = tensor if tensor.dtype == communication_data_type else tensor.to(communication_data_type)
             att.owner_all_reduce(flat, opt.dp_process_group, bool(opt.gradient_average))

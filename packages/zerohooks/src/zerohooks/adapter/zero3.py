@@ -88,15 +88,14 @@ def _install_collectives(att: Attachment, opt: Any) -> None:
 
     def make_scatter(original: Callable[..., Any]) -> Callable[..., Any]:
         def avg_scatter_grads(params: list[Any], communication_data_type: torch.dtype) -> Any:
-            counters.add(
-                "reduce_scatter",
-                communication_data_type,
-                sum(p.grad.numel() for p in params) * communication_data_type.itemsize,
-            )
-            if not hooked:
-                return original(params, communication_data_type)
-            group = opt._get_param_partition_group(params[0])
+            nbytes = sum(p.grad.numel() for p in params) * communication_data_type.itemsize
+            counters.add("reduce_scatter", communication_data_type, nbytes)
+            group = opt._get_param_partition_group(params[0]) if params else opt.dp_process_group
             world = dist.get_world_size(group=group)
+            reports = counters.wire_reports
+            if not hooked:
+                counters.add_default_wire("reduce_scatter", communication_data_type, nbytes, world)
+                return original(params, communication_data_type)
             tensors = []
             for p in params:
                 t = att.reduce_tensor(p, p.grad)
@@ -116,6 +115,8 @@ def _install_collectives(att: Attachment, opt: Any) -> None:
                     )
             else:
                 parts = reduce_scatter_coalesced(tensors, group)
+            if counters.wire_reports == reports:  # DeepSpeed's collective, or an owner that reported nothing
+                counters.add_default_wire("reduce_scatter", communication_data_type, nbytes, world)
             averaging = opt._gradient_averaging_world_size(params, world)
             if averaging != world:
                 parts = [g.mul(world / float(averaging)) for g in parts]
@@ -128,9 +129,10 @@ def _install_collectives(att: Attachment, opt: Any) -> None:
 
     def make_contiguous(original: Callable[..., Any]) -> Callable[..., Any]:
         def avg_scatter_contiguous_grads(buffer: torch.Tensor, communication_data_type: torch.dtype) -> Any:
-            counters.add(
-                "all_reduce", communication_data_type, buffer.numel() * communication_data_type.itemsize
-            )
+            nbytes = buffer.numel() * communication_data_type.itemsize
+            counters.add("all_reduce", communication_data_type, nbytes)
+            world = dist.get_world_size(group=opt.dp_process_group)
+            counters.add_default_wire("all_reduce", communication_data_type, nbytes, world)
             return original(buffer, communication_data_type)
 
         return avg_scatter_contiguous_grads
