@@ -248,6 +248,67 @@ def _zero3_init(tmp: str) -> dict[str, Any]:
     }
 
 
+def _hf_objects(tmp: str) -> dict[str, Any]:
+    """No ``"optimizer"`` section: Trainer builds torch's AdamW and its LR scheduler itself and
+    accelerate passes both objects to deepspeed.initialize.  Each plugin either trains or is
+    refused with a message that names the fix; what happened is recorded per plugin."""
+    mixed = {"fp32_module_types": ["torch.nn.LayerNorm"]}
+    out: dict[str, Any] = {}
+    for name, section in (("loco", {}), ("accumdtype", {"dtype": "fp32"}), ("mixedlayers", mixed)):
+        ds = ds_config(2, {name: section})
+        del ds["optimizer"]
+        try:
+            with enabled():
+                run = train(os.path.join(tmp, f"objects-{name}"), ds, 2)
+            att = attachment_summary(run["engine"])
+            out[name] = {"trained": True, "losses": run["losses"], **att}
+        except Exception as e:  # recorded for the test: a refusal must name the fix
+            out[name] = {"trained": False, "error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def _zero3_init_plugins(tmp: str) -> dict[str, Any]:
+    """ZeRO 3 with the model built by ``_from_config`` after ``TrainingArguments`` (so under
+    ``deepspeed.zero.Init``), as HF users get it: loco + accumdtype train; mixedlayers is
+    refused naming the Hugging Face ways out."""
+    from _frameworks_common import gpt2_config
+    from transformers import GPT2LMHeadModel, TrainingArguments
+
+    out: dict[str, Any] = {}
+    for name, sections in (
+        ("loco+accumdtype", {"loco": {}, "accumdtype": {"dtype": "fp32"}}),
+        ("mixedlayers", {"mixedlayers": {"fp32_module_types": ["torch.nn.LayerNorm"]}}),
+    ):
+        ds = ds_config(3, sections)
+        args = TrainingArguments(
+            output_dir=os.path.join(tmp, "z3i-" + name), use_cpu=True, deepspeed=ds, report_to=[]
+        )
+        model = GPT2LMHeadModel._from_config(gpt2_config())
+        partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
+        del args
+        try:
+            import deepspeed
+
+            with enabled():
+                engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+                ids = token_ids()[:MICRO_BATCH]
+                losses = []
+                for _ in range(2 * GAS):
+                    loss = engine(input_ids=ids, labels=ids).loss
+                    engine.backward(loss)
+                    engine.step()
+                    losses.append(loss.item())
+            out[name] = {
+                "partitioned": partitioned,
+                "trained": True,
+                "losses": losses,
+                **attachment_summary(engine),
+            }
+        except Exception as e:
+            out[name] = {"partitioned": partitioned, "trained": False, "error": f"{type(e).__name__}: {e}"}
+    return out
+
+
 def all_trainer_scenarios(tmp: str) -> dict[str, Any]:
     conv1d = {"lower_precision_safe_modules": ["torch.nn.Linear", "transformers.pytorch_utils.Conv1D"]}
     scenarios = {
@@ -267,6 +328,8 @@ def all_trainer_scenarios(tmp: str) -> dict[str, Any]:
         "no_enable": lambda: _no_enable(tmp),
         "resume": lambda: _resume_and_hand_loop(tmp),
         "zero3_init": lambda: _zero3_init(tmp),
+        "hf_objects": lambda: _hf_objects(tmp),
+        "zero3_init_plugins": lambda: _zero3_init_plugins(tmp),
     }
     only = os.environ.get("FRAMEWORKS_ONLY")  # debugging: FRAMEWORKS_ONLY=loco,resume
     if only:

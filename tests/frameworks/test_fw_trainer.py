@@ -8,6 +8,7 @@ would send), the uninterrupted run (resume), and the same training through
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -82,3 +83,29 @@ def test_zero3_models_built_after_training_arguments_use_zero_init(
     a model constructed directly (``GPT2LMHeadModel(config)``) is not partitioned."""
     for rank in scenario(trainer_runs, "zero3_init"):
         assert rank == {"direct_partitioned": False, "from_config_partitioned": True}
+
+
+def test_trainer_optimizer_and_scheduler_objects(trainer_runs: list[dict[str, Any]]) -> None:
+    """No "optimizer" section: Trainer builds torch's AdamW and its LR scheduler and accelerate
+    passes them as objects.  Every plugin attaches and trains (mixedlayers splits param groups:
+    Trainer's scheduler comes as a callable, built on the split groups)."""
+    from _frameworks_common import GAS
+
+    for rank in scenario(trainer_runs, "hf_objects"):
+        for name, got in rank.items():
+            assert got["trained"], (name, got.get("error"))
+            assert got["attached"] and got["plugins"] == [name], (name, got)
+            assert len(got["losses"]) == 2 * GAS and all(math.isfinite(x) for x in got["losses"]), (name, got)
+        assert rank["loco"]["reducer"] == "loco"
+
+
+def test_zero3_init_models_with_plugins(trainer_runs: list[dict[str, Any]]) -> None:
+    """ZeRO 3 models built by ``_from_config`` after ``TrainingArguments`` (under zero.Init): loco
+    and accumdtype train on them; mixedlayers refuses, naming the Hugging Face ways out."""
+    for rank in scenario(trainer_runs, "zero3_init_plugins"):
+        ok, refused = rank["loco+accumdtype"], rank["mixedlayers"]
+        assert ok["partitioned"] and ok["trained"], ok.get("error")
+        assert ok["plugins"] == ["accumdtype", "loco"] and ok["reducer"] == "loco"
+        assert refused["partitioned"] and not refused["trained"]
+        assert refused["error"].startswith("ConfigError") and "zero.Init" in refused["error"]
+        assert "before the TrainingArguments" in refused["error"]
