@@ -395,7 +395,16 @@ def train_one(
     model = GPT(GPTConfig(seq_len=args.seq_len, n_layer=args.layers, n_head=args.heads, d_model=args.d_model))
     ctx["n_params"] = model.num_parameters()
     memory_kind = reset_peak_memory(cuda)
+    if rank == 0:
+        print(
+            f"[{run.name}] building the DeepSpeed engine ({ctx['n_params'] / 1e6:.2f} M parameters)",
+            flush=True,
+        )
     engine, _, _, _ = initialize(model=model, model_parameters=param_groups(model), config=config)
+    if rank == 0:
+        print(
+            f"[{run.name}] engine ready after {time.time() - t_run:.1f} s; validation at step 0", flush=True
+        )
     device = engine.device
 
     train = BatchSampler(corpus.train, args.seq_len, args.micro_batch, args.seed, rank)
@@ -535,6 +544,8 @@ def worker(args: argparse.Namespace) -> int:
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if rank == 0:  # start-up takes seconds on a CPU: say what is going on
+        print(f"rank 0 of {world}: importing torch and DeepSpeed", flush=True)
 
     import torch
 
@@ -553,6 +564,8 @@ def worker(args: argparse.Namespace) -> int:
     backend = "nccl" if cuda else "gloo"
     if not cuda:
         skip_shm_build()
+    if rank == 0:
+        print(f"rank 0 of {world}: joining the {backend} process group", flush=True)
     deepspeed.init_distributed(dist_backend=backend)
     try:
         auto = args.dtype == "auto"
