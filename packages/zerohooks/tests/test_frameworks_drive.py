@@ -204,31 +204,23 @@ def test_run_module_runs_a_script_with_enable(tmp_path) -> None:
         )
     )
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    out = subprocess.run(
-        [sys.executable, "-m", "zerohooks.run", str(script), "--lr", "3"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=True,
-    ).stdout
-    assert "ROUTED True __main__ ['--lr', '3'] True" in out
-    out = subprocess.run(
-        [sys.executable, "-m", "zerohooks.run", "-m", "probe", "x"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=True,
-    ).stdout
-    assert "ROUTED True __main__ ['x'] True" in out
-    bad = subprocess.run(
-        [sys.executable, "-m", "zerohooks.run", str(tmp_path / "missing.py")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "zerohooks.run", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+
+    out = run(str(script), "--lr", "3")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ROUTED True __main__ ['--lr', '3'] True" in out.stdout
+    out = run("-m", "probe", "x")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ROUTED True __main__ ['x'] True" in out.stdout
+    bad = run(str(tmp_path / "missing.py"))
     assert bad.returncode != 0 and "is not a file" in bad.stderr
 
 

@@ -44,15 +44,13 @@ def install(att: Attachment) -> None:
             for dtype, items in groups.items():
                 tensors = [t for t, _ in items]
                 flat = torch.cat([t.reshape(-1) for t in tensors]).to(dtype)
-                counters.add("all_reduce", dtype, flat.numel() * dtype.itemsize)
+                nbytes = flat.numel() * dtype.itemsize
+                counters.add("all_reduce", dtype, nbytes)
                 if reg.reducer.owner is not None:
                     att.owner_all_reduce(flat, dp_group, engine.gradient_average, [p for _, p in items])
                 else:
                     counters.add_default_wire(
-                        "all_reduce",
-                        dtype,
-                        flat.numel() * dtype.itemsize,
-                        dist.get_world_size(group=dp_group),
+                        "all_reduce", dtype, nbytes, dist.get_world_size(group=dp_group)
                     )
                     dist.all_reduce(flat, group=dp_group)
                     if engine.gradient_average:
