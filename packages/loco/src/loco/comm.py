@@ -39,6 +39,7 @@ import torch.distributed as dist
 from loco import ops
 from loco.reference import padded_row_len
 from loco.state import LocoState, error_buffer, workspace
+from zerohooks import watchdog
 
 __all__ = [
     "Topology",
@@ -146,7 +147,7 @@ def _a2a(
     state: LocoState, name: str, out: torch.Tensor, inp: torch.Tensor, group: Any, size: int, q_bytes: int
 ) -> None:
     """All-to-all of ``size`` rows of ``q_bytes`` code bytes then fp32 scales, counted."""
-    dist.all_to_all_single(out, inp, group=group)
+    watchdog.run(f"loco {name}", group, lambda: dist.all_to_all_single(out, inp, group=group, async_op=True))
     row = inp.numel() // size
     parts = {_codes(state): (size - 1) * q_bytes, "float32 scales": (size - 1) * (row - q_bytes)}
     state.stats.collective(name, inp.numel(), (size - 1) * row, parts)
@@ -275,7 +276,9 @@ def quantized_all_reduce(
         use_kernels=state.use_kernels,
     )
     gathered = workspace(state, "gather_out", W * mine.numel(), device)
-    _all_gather(gathered, mine, group=topo.group)
+    watchdog.run(
+        "loco all_gather", topo.group, lambda: _all_gather(gathered, mine, group=topo.group, async_op=True)
+    )
     parts = {_codes(state): (W - 1) * qb, "float32 scales": (W - 1) * 4 * ng}
     state.stats.collective("all_gather", mine.numel(), (W - 1) * mine.numel(), parts)
     all_q, all_s = _rows(gathered, W, qb)
@@ -307,7 +310,11 @@ def exact_reduce_scatter(
         send[:, off : off + c] = padded.view(W, c)
         off += c
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=topo.group)
+    watchdog.run(
+        "loco exact all_to_all",
+        topo.group,
+        lambda: dist.all_to_all_single(recv, send, group=topo.group, async_op=True),
+    )
     wire = (W - 1) * width * send.element_size()
     parts = {_dtype_name(dtype): wire}
     state.stats.collective("exact", send.numel() * send.element_size(), wire, parts, op="all_to_all")
@@ -326,7 +333,9 @@ def exact_reduce_scatter(
 def exact_all_reduce(state: LocoState, topo: Topology, flat: torch.Tensor, divisor: float) -> None:
     """Unquantized all-reduce (small buckets) in the bucket's dtype, as DeepSpeed does it."""
     W = topo.world
-    dist.all_reduce(flat, group=topo.group)
+    watchdog.run(
+        "loco exact all_reduce", topo.group, lambda: dist.all_reduce(flat, group=topo.group, async_op=True)
+    )
     if divisor != 1:
         flat.div_(divisor)
     nbytes = flat.numel() * flat.element_size()

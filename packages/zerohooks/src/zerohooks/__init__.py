@@ -20,15 +20,18 @@ from zerohooks._compat import (
 check_deepspeed_version(_deepspeed.__version__)
 announce_deepspeed_op_builds()  # DeepSpeed's minutes-long JIT builds say so when they start
 
+from zerohooks import watchdog  # noqa: E402
 from zerohooks.adapter import Attachment, attachment_of, detach, step_context  # noqa: E402
 from zerohooks.config import ENTRY_POINT_GROUP, KNOWN_PLUGINS, available_plugins  # noqa: E402
 from zerohooks.counters import CommCounters  # noqa: E402
 from zerohooks.enable import enable, enabled  # noqa: E402
 from zerohooks.errors import (  # noqa: E402
     CheckpointStateError,
+    CollectiveTimeoutError,
     ConfigError,
     DeepSpeedInternalMissing,
     PluginNotInstalledError,
+    RankFailedError,
     UnsupportedDeepSpeedError,
 )
 from zerohooks.hookspec import GradientReducer, ReduceBucket, SetupContext, StepContext, SwapOwner  # noqa: E402
@@ -45,6 +48,7 @@ __all__ = [
     "SUPPORTED_DEEPSPEED",
     "Attachment",
     "CheckpointStateError",
+    "CollectiveTimeoutError",
     "CommCounters",
     "ConfigError",
     "DeepSpeedInternalMissing",
@@ -53,6 +57,7 @@ __all__ = [
     "OwnerConflictError",
     "PluginConfig",
     "PluginNotInstalledError",
+    "RankFailedError",
     "ReduceBucket",
     "RemovableHandle",
     "SetupContext",
@@ -70,4 +75,5 @@ __all__ = [
     "next_loss_scale",
     "skip_deepspeed_compiles",
     "step_context",
+    "watchdog",
 ]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointStateError",
+    "CollectiveTimeoutError",
     "ConfigError",
     "DeepSpeedInternalMissing",
     "PluginNotInstalledError",
+    "RankFailedError",
     "UnsupportedDeepSpeedError",
 ]
 
@@ -30,3 +32,13 @@ class DeepSpeedInternalMissing(RuntimeError):
 class CheckpointStateError(RuntimeError):
     """A checkpoint's plugin state does not match the plugins of the engine loading it (state
     saved by plugins that are not enabled now, or plugins enabled now whose state is missing)."""
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A zerohooks collective did not complete within the limit (or a peer went away); the
+    message names the operation, this rank and the ranks that did not respond or join."""
+
+
+class RankFailedError(RuntimeError):
+    """Another rank failed a step every rank must pass (start-up, checkpoint save); the message
+    names that rank and its error.  This rank stops too rather than wait for it."""

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from zerohooks.adapter import attach, detach
+from zerohooks import watchdog
+from zerohooks.adapter import attach, attachment_of, detach
 from zerohooks.config import load_config, split_plugin_sections
 from zerohooks.enable import original_initialize
 from zerohooks.errors import ConfigError
@@ -97,32 +98,34 @@ def _engine_context(engine: Any, ds_config: dict[str, Any]) -> SetupContext:
     )
 
 
-def initialize(*args: Any, plugins: Sequence[ZeroPlugin] = (), **kwargs: Any) -> Any:
-    """Drop-in for ``deepspeed.initialize``: same arguments, same return tuple.
+def _names_plugin(ds_config: dict[str, Any]) -> bool:
+    """Whether the config has a section named exactly after a plugin (installed or not)."""
+    from zerohooks.config import KNOWN_PLUGINS, _entry_points
 
-    Plugin sections (``"accumdtype"``, ``"loco"``, ...) are removed from the config, validated and
-    turned into plugins; the plugins prepare the model, DeepSpeed builds the engine, and the
-    adapter attaches the plugins' hooks to it.  ``plugins`` adds plugin objects built in code.
-    Without any plugin, training is bit-for-bit what ``deepspeed.initialize`` gives.
-    """
-    ds_initialize = original_initialize()  # DeepSpeed's own function, never a router: no recursion
-    bound = inspect.signature(ds_initialize).bind(*args, **kwargs)
-    params = bound.arguments
-    ds_args: Any = params.get("args")
-    source: Any = params.get("config")
-    if source is None:
-        source = params.pop("config_params", None)
-    from_args = source is None and ds_args is not None and getattr(ds_args, "deepspeed_config", None)
-    if from_args:
-        source = ds_args.deepspeed_config
-    try:
-        ds_config = load_config(source)
-    except ConfigError:
-        if plugins:
-            raise
-        # a config zerohooks cannot read has no plugin section and DeepSpeed cannot read it
-        # either: DeepSpeed raises its own error, as without zerohooks
-        return ds_initialize(*args, **kwargs)
+    return any(key in KNOWN_PLUGINS for key in ds_config) or any(key in _entry_points() for key in ds_config)
+
+
+def _init_distributed(params: dict[str, Any], ds_initialize: Any) -> None:
+    """The process group, set up as ``deepspeed.initialize`` sets it up first thing, so ranks can
+    agree on the plugins' set-up before DeepSpeed's own collectives start."""
+    if params.get("model") is None:
+        return  # DeepSpeed refuses the call before touching the process group
+    from deepspeed import comm
+    from deepspeed.accelerator import get_accelerator
+
+    defaults = inspect.signature(ds_initialize).parameters
+    comm.init_distributed(
+        dist_backend=get_accelerator().communication_backend_name(),
+        distributed_port=params.get("distributed_port", defaults["distributed_port"].default),
+        dist_init_required=params.get("dist_init_required", defaults["dist_init_required"].default),
+    )
+
+
+def _prepare(
+    params: dict[str, Any], ds_config: dict[str, Any], plugins: Sequence[ZeroPlugin]
+) -> tuple[list[ZeroPlugin], HookRegistry, SetupContext | None]:
+    """The enabled plugins, their registry and context; the model, parameters and optimizer in
+    ``params`` prepared by their hooks (everything before DeepSpeed builds the engine)."""
     enabled = [*split_plugin_sections(ds_config), *plugins]
     names = [p.name for p in enabled]
     dupes = sorted({n for n in names if names.count(n) > 1})
@@ -172,6 +175,52 @@ def initialize(*args: Any, plugins: Sequence[ZeroPlugin] = (), **kwargs: Any) ->
                     "zerohooks.initialize"
                 )
             client.param_groups[:] = groups
+    return enabled, registry, ctx
+
+
+def initialize(*args: Any, plugins: Sequence[ZeroPlugin] = (), **kwargs: Any) -> Any:
+    """Drop-in for ``deepspeed.initialize``: same arguments, same return tuple.
+
+    Plugin sections (``"accumdtype"``, ``"loco"``, ...) are removed from the config, validated and
+    turned into plugins; the plugins prepare the model, DeepSpeed builds the engine, and the
+    adapter attaches the plugins' hooks to it.  ``plugins`` adds plugin objects built in code.
+    Without any plugin, training is bit-for-bit what ``deepspeed.initialize`` gives.
+
+    With plugins on several ranks, the ranks agree twice (before DeepSpeed builds the engine and
+    after the plugins attach): a failure on one rank is raised on every rank, naming the rank
+    (:class:`~zerohooks.errors.RankFailedError` on the others), instead of leaving them waiting
+    in DeepSpeed's first collective.
+    """
+    ds_initialize = original_initialize()  # DeepSpeed's own function, never a router: no recursion
+    bound = inspect.signature(ds_initialize).bind(*args, **kwargs)
+    params = bound.arguments
+    ds_args: Any = params.get("args")
+    source: Any = params.get("config")
+    if source is None:
+        source = params.pop("config_params", None)
+    from_args = source is None and ds_args is not None and getattr(ds_args, "deepspeed_config", None)
+    if from_args:
+        source = ds_args.deepspeed_config
+    try:
+        ds_config = load_config(source)
+    except ConfigError:
+        if plugins:
+            raise
+        # a config zerohooks cannot read has no plugin section and DeepSpeed cannot read it
+        # either: DeepSpeed raises its own error, as without zerohooks
+        return ds_initialize(*args, **kwargs)
+    wants = bool(plugins) or _names_plugin(ds_config)
+    if wants:
+        _init_distributed(params, ds_initialize)
+    failure: Exception | None = None
+    try:
+        enabled, registry, ctx = _prepare(params, ds_config, plugins)
+    except Exception as e:
+        failure = e
+    if wants:
+        watchdog.agree(failure, "the plugins' set-up in zerohooks.initialize")
+    elif failure is not None:
+        raise failure
     if from_args:
         # DeepSpeed refuses a config in both args and config=: hand it over in config= and lift
         # it from the caller's args for the call only (DeepSpeed writes args.local_rank back
@@ -189,11 +238,20 @@ def initialize(*args: Any, plugins: Sequence[ZeroPlugin] = (), **kwargs: Any) ->
     engine = result[0]
     if ctx is None:
         ctx = _engine_context(engine, ds_config)
-    attach(engine, registry, ctx, enabled)
+    failure = None
     try:
+        attach(engine, registry, ctx, enabled)
         for p in enabled:
             p.engine_ready(engine, registry)
+    except Exception as e:
+        failure = e
+    try:
+        if wants:
+            watchdog.agree(failure, "attaching the plugins to the engine")
+        elif failure is not None:
+            raise failure
     except BaseException:
-        detach(engine)  # undo every patch and let each plugin release what it made (files, buffers)
+        if attachment_of(engine) is not None:
+            detach(engine)  # undo every patch and let each plugin release what it made (files, buffers)
         raise
     return result

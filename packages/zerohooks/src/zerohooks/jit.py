@@ -192,10 +192,12 @@ def local_rank0_first(load: Callable[..., Any]) -> Any:
     first = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
     out = load() if first else None
     host = socket.gethostname()
-    seen: list[Any] = [None] * dist.get_world_size()
+    from zerohooks import watchdog
+
     stop: Callable[[], None] = _no_op if first else _wait_notice(host)
     try:
-        dist.all_gather_object(seen, (host, first, bool(out)))  # also the barrier
+        # also the barrier; patient: a local rank 0 may compile for minutes while alive
+        seen = watchdog.gather_objects((host, first, bool(out)), "kernel build barrier", patient=True)
     finally:
         stop()
     if first:

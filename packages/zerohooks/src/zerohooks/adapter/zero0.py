@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerohooks import watchdog
 from zerohooks.adapter.base import Attachment
 
 
@@ -52,7 +53,11 @@ def install(att: Attachment) -> None:
                     counters.add_default_wire(
                         "all_reduce", dtype, nbytes, dist.get_world_size(group=dp_group)
                     )
-                    dist.all_reduce(flat, group=dp_group)
+                    watchdog.run(
+                        "ZeRO 0 gradient all_reduce",
+                        dp_group,
+                        lambda: dist.all_reduce(flat, group=dp_group, async_op=True),  # noqa: B023
+                    )
                     if engine.gradient_average:
                         flat.div_(world)
                 for t, r in zip(tensors, torch.split(flat, [t.numel() for t in tensors]), strict=True):

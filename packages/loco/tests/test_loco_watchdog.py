@@ -1,0 +1,61 @@
+"""A rank that freezes during LoCo training is named by the survivors within the set limit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch.distributed as dist
+from _loco_common import ds_config, kernels, make_model
+
+import zerohooks
+from zerohooks import watchdog
+from zerohooks.errors import CollectiveTimeoutError
+from zerohooks.testing import run_distributed
+from zerohooks.testing.toy import batch, loss_fn
+
+LIMIT = 3.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _build() -> None:
+    kernels()  # in the parent process, before the ranks start
+
+
+def _train_until_rank1_freezes(stage: int) -> tuple[str, float, int]:
+    watchdog.set_collective_timeout(LIMIT)
+    rank = dist.get_rank()
+    model = make_model()
+    cfg = ds_config(stage, "fp32", gas=1, loco={})
+    engine, *_ = zerohooks.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    pids = watchdog.gather_objects(os.getpid(), "pids")
+    t0 = 0.0
+    step = 0
+    try:
+        for step in range(4):
+            tokens, target = batch(step, 0, rank, vocab=64)
+            loss = loss_fn(engine, tokens, target)
+            if step == 2 and rank == 1:
+                os.kill(os.getpid(), signal.SIGSTOP)  # frozen before its backward of step 2
+            t0 = time.monotonic()
+            engine.backward(loss)  # LoCo's gradient collective runs in here
+            engine.step()
+    except CollectiveTimeoutError as e:
+        result = str(e), time.monotonic() - t0, step
+    else:
+        result = "completed", 0.0, step
+    if rank == 0:
+        os.kill(pids[1], signal.SIGCONT)  # so the harness can collect it
+    return result
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("stage", [1, 3])
+def test_frozen_rank_is_named_by_loco_collective(stage: int) -> None:
+    (message, waited, step), _ = run_distributed(_train_until_rank1_freezes, 2, args=(stage,), timeout=240)
+    assert step == 2, message
+    assert message.startswith("rank 0: zerohooks collective loco "), message
+    assert "Not responding: rank(s) [1]" in message
+    assert LIMIT <= waited < LIMIT + 5, waited

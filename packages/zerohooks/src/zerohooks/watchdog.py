@@ -1,0 +1,367 @@
+"""Bounded-time collectives: every multi-rank operation zerohooks or a plugin runs either
+completes or fails within a set time, with an error naming the operation and the ranks at fault.
+
+How a stalled rank is named
+    Each process that takes part in a bounded collective keeps a heartbeat in the rendezvous
+    store (a daemon thread writes a counter and the operation it is in, every ``interval``
+    seconds).  When a collective times out (or fails because a peer went away), the waiting rank
+    reads the heartbeats of the group twice, ``2 * interval`` apart: a rank whose counter did not
+    move is *not responding* (stopped, frozen, or dead); a rank whose counter moved is alive and
+    the error says where it is (in which of our collectives, or outside them).
+
+The limit
+    ``ZEROHOOKS_COLLECTIVE_TIMEOUT`` (seconds; ``0``, ``off`` or ``none`` turns the watchdog off),
+    else :func:`set_collective_timeout`, else :data:`DEFAULT_TIMEOUT_S`.  It applies where the
+    waiting happens on the CPU (the ``gloo`` backend).  On NCCL the wait is on a CUDA stream,
+    not on the CPU: there PyTorch's own NCCL watchdog (the process group's ``timeout``) applies,
+    and zerohooks adds nothing to the collective.
+
+Patient operations
+    Start-up barriers behind which one rank may compile a kernel for minutes
+    (:func:`zerohooks.jit.local_rank0_first`) wait as long as every missing rank is alive, and
+    fail only on a rank that stopped responding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import pickle
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zerohooks.errors import CollectiveTimeoutError, ConfigError, RankFailedError
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "ENV",
+    "agree",
+    "barrier",
+    "collective_timeout",
+    "gather_objects",
+    "run",
+    "set_collective_timeout",
+]
+
+DEFAULT_TIMEOUT_S = 600.0
+"""Default limit, in seconds, for one zerohooks collective (long enough for a slow first step)."""
+
+ENV = "ZEROHOOKS_COLLECTIVE_TIMEOUT"
+"""Environment variable that sets the limit (seconds, or ``off``)."""
+
+_override: list[float | None] = []
+_KEY = "zerohooks/heartbeat/"
+
+
+def collective_timeout() -> float | None:
+    """The limit in seconds for one collective, or None when the watchdog is off."""
+    raw = os.environ.get(ENV)
+    if raw is not None and raw.strip() != "":
+        text = raw.strip().lower()
+        if text in ("0", "off", "none"):
+            return None
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not (value > 0 and value != float("inf")):
+            raise ConfigError(
+                f"{ENV}={raw!r} is not a limit: give a positive number of seconds, or 0 / off / none "
+                "to turn the watchdog off"
+            )
+        return value
+    return _override[-1] if _override else DEFAULT_TIMEOUT_S
+
+
+class _TimeoutHandle:
+    """Undoes one :func:`set_collective_timeout`; also a context manager."""
+
+    __slots__ = ("_active", "_value")
+
+    def __init__(self, value: float | None) -> None:
+        self._value = value
+        self._active = True
+
+    def remove(self) -> None:
+        if self._active:
+            self._active = False
+            for i in range(len(_override) - 1, -1, -1):
+                if _override[i] is self._value:
+                    del _override[i]
+                    break
+
+    def __enter__(self) -> _TimeoutHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def set_collective_timeout(seconds: float | None) -> _TimeoutHandle:
+    """Set the limit for zerohooks collectives in this process (``None``: no limit).
+
+    The environment variable :data:`ENV`, when set, wins (launchers pass it to every rank).
+    Returns a handle whose ``remove()`` (or ``with`` block end) restores the previous limit.
+    """
+    if seconds is not None and not (0 < seconds < float("inf")):
+        raise ConfigError(
+            f"collective timeout must be a positive finite number of seconds or None, got {seconds!r}"
+        )
+    value = None if seconds is None else float(seconds)
+    _override.append(value)
+    return _TimeoutHandle(value)
+
+
+class _Heartbeat:
+    """This process's heartbeat in the rendezvous store (one per process, a daemon thread)."""
+
+    __slots__ = ("count", "interval", "lock", "rank", "seq", "store", "thread", "where")
+
+    def __init__(self, rank: int, store: Any, interval: float) -> None:
+        self.rank = rank
+        self.store = store
+        self.interval = interval
+        self.where = "start-up"
+        self.seq = 0
+        self.count = 0
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._beat, name="zerohooks-heartbeat", daemon=True)
+        self._publish()
+        self.thread.start()
+
+    def _publish(self) -> None:
+        with self.lock:
+            self.count += 1
+            value = f"{self.count}|{self.where}"
+        # the store going away must never break training; the census says so
+        with contextlib.suppress(Exception):
+            self.store.set(f"{_KEY}{self.rank}", value)
+
+    def _beat(self) -> None:
+        while True:
+            time.sleep(self.interval)
+            self._publish()
+
+    def enter(self, what: str) -> int:
+        with self.lock:
+            self.seq += 1
+            self.where = f"in {what} (#{self.seq})"
+            return self.seq
+
+    def leave(self, what: str, seq: int) -> None:
+        with self.lock:
+            self.where = f"outside zerohooks collectives (last completed: {what} #{seq})"
+
+
+_heart: _Heartbeat | None = None
+_heart_lock = threading.Lock()
+
+
+def _store() -> Any:
+    """A client of the default rendezvous store, ``None`` if there is none we can reach."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+    base = store
+    while hasattr(base, "underlying_store"):
+        base = base.underlying_store
+    if isinstance(base, dist.TCPStore):
+        # our own connection with a short timeout: a frozen store host cannot block the census
+        try:
+            return dist.PrefixStore(
+                "zh",
+                dist.TCPStore(base.host, base.port, is_master=False, timeout=datetime.timedelta(seconds=5)),
+            )
+        except Exception:
+            return None
+    return store
+
+
+def _heartbeat(timeout: float) -> _Heartbeat | None:
+    global _heart
+    with _heart_lock:
+        if _heart is None:
+            store = _store()
+            if store is None:
+                return None
+            _heart = _Heartbeat(dist.get_rank(), store, interval=min(5.0, max(0.2, timeout / 10)))
+        return _heart
+
+
+def _census(heart: _Heartbeat, ranks: list[int]) -> tuple[list[int], dict[int, str]]:
+    """(ranks not responding, rank -> where each responsive rank is)."""
+
+    def read() -> dict[int, str | None]:
+        seen: dict[int, str | None] = {}
+        for r in ranks:
+            key = f"{_KEY}{r}"
+            try:
+                seen[r] = heart.store.get(key).decode() if heart.store.check([key]) else None
+            except Exception:
+                seen[r] = None
+        return seen
+
+    first = read()
+    time.sleep(2.5 * heart.interval)
+    second = read()
+    stalled = [r for r in ranks if second[r] is None or second[r] == first[r]]
+    where = {r: (second[r] or "").partition("|")[2] for r in ranks if r not in stalled}
+    return stalled, where
+
+
+def _group_ranks(group: Any) -> list[int]:
+    try:
+        return list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    except Exception:
+        return list(range(dist.get_world_size()))
+
+
+def _diagnose(heart: _Heartbeat | None, what: str, seq: int, group: Any, waited: float, cause: str) -> str:
+    me = dist.get_rank()
+    ranks = _group_ranks(group)
+    head = f"rank {me}: zerohooks collective {what} (#{seq}, group of ranks {ranks}) {cause} after {waited:.1f} s"
+    if heart is None:
+        return head + "; no rendezvous store to ask which rank is at fault"
+    stalled, where = _census(heart, [r for r in ranks if r != me])
+    lines = [head + "."]
+    if stalled:
+        lines.append(
+            f"Not responding: rank(s) {stalled} (no heartbeat for {2.5 * heart.interval:.1f} s: "
+            "the process is stopped, frozen or dead; look at its log and its node)."
+        )
+    for r, at in sorted(where.items()):
+        if not at.startswith(f"in {what} (#{seq})"):
+            lines.append(f"Rank {r} is alive but has not joined: it is {at}.")
+    if not stalled and all(at.startswith(f"in {what} (#{seq})") for at in where.values()):
+        lines.append("Every rank is alive and in this collective: the network or the backend is stuck.")
+    lines.append(f"Set {ENV} (seconds, or off) to change the limit.")
+    return " ".join(lines)
+
+
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ECONNRESET")
+
+
+def run(what: str, group: Any, start: Callable[[], Any], *, patient: bool = False) -> None:
+    """Run one collective in bounded time.
+
+    ``start()`` issues the collective with ``async_op=True`` and returns its work handle.
+    ``what`` names it in errors ("loco all_to_all (inter-node)").  On ``gloo`` the wait is
+    bounded by :func:`collective_timeout`; a timeout or a lost peer raises
+    :class:`~zerohooks.errors.CollectiveTimeoutError` naming this rank, the operation and the
+    ranks at fault.  ``patient=True`` keeps waiting while every missing rank is alive.
+    """
+    timeout = collective_timeout()
+    if timeout is None or dist.get_backend(group) != "gloo" or dist.get_world_size(group) == 1:
+        start().wait()
+        return
+    heart = _heartbeat(timeout)
+    seq = heart.enter(what) if heart is not None else 0
+    t0 = time.monotonic()
+    try:
+        work = start()
+        if patient:
+            _wait_patiently(work, heart, what, seq, group, timeout, t0)
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as e:
+        if isinstance(e, CollectiveTimeoutError):
+            raise
+        waited = time.monotonic() - t0
+        text = str(e)
+        if "timed out" in text.lower() or waited >= 0.95 * timeout:
+            cause = f"did not complete within the {timeout:g} s limit"
+        elif any(s in text for s in _PEER_GONE):
+            cause = f"failed: a peer went away ({text.splitlines()[0][:160]})"
+        else:
+            raise
+        raise CollectiveTimeoutError(_diagnose(heart, what, seq, group, waited, cause)) from e
+    finally:
+        if heart is not None:
+            heart.leave(what, seq)
+
+
+def _wait_patiently(
+    work: Any, heart: _Heartbeat | None, what: str, seq: int, group: Any, timeout: float, t0: float
+) -> None:
+    next_check = t0 + timeout
+    while not work.is_completed():
+        time.sleep(0.05)
+        if time.monotonic() < next_check:
+            continue
+        next_check = time.monotonic() + timeout
+        if heart is None:
+            continue
+        stalled, _ = _census(heart, [r for r in _group_ranks(group) if r != dist.get_rank()])
+        if stalled:
+            cause = f"could not complete: a rank stopped responding while it waited {timeout:g} s or more"
+            raise CollectiveTimeoutError(_diagnose(heart, what, seq, group, time.monotonic() - t0, cause))
+        print(
+            f"[zerohooks] rank {dist.get_rank()}: still waiting in {what} after "
+            f"{time.monotonic() - t0:.0f} s; every rank is alive",
+            file=sys.stderr,
+            flush=True,
+        )
+    work.wait()
+
+
+def barrier(what: str, group: Any = None) -> None:
+    """A bounded :func:`torch.distributed.barrier`."""
+    run(what, group, lambda: dist.barrier(group=group, async_op=True))
+
+
+def gather_objects(obj: Any, what: str, group: Any = None, *, patient: bool = False) -> list[Any]:
+    """Every rank's picklable ``obj``, in group rank order, gathered in bounded time."""
+    world = dist.get_world_size(group)
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    mine = torch.tensor([data.numel()], dtype=torch.int64)
+    run(
+        f"{what} (sizes)",
+        group,
+        lambda: dist.all_gather(sizes, mine, group=group, async_op=True),
+        patient=patient,
+    )
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    run(what, group, lambda: dist.all_gather(parts, padded, group=group, async_op=True), patient=patient)
+    return [pickle.loads(p[: int(s.item())].numpy().tobytes()) for p, s in zip(parts, sizes, strict=True)]
+
+
+def agree(error: BaseException | None, what: str, group: Any = None) -> None:
+    """All ranks learn whether any of them failed ``what``; then all fail, or all go on.
+
+    Every rank of ``group`` calls it with the exception it caught (or None).  A rank that failed
+    re-raises its own exception; the others raise :class:`~zerohooks.errors.RankFailedError`
+    naming the failed rank(s) and their errors, so no rank waits in a later collective for a
+    peer that is gone.  Without a process group (or with one rank) it re-raises ``error``.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        if error is not None:
+            raise error
+        return
+    summary = None if error is None else f"{type(error).__name__}: {error}"
+    ranks = _group_ranks(group)
+    reports = gather_objects(summary, f"agreement on {what}", group, patient=True)
+    failed = [(r, s) for r, s in zip(ranks, reports, strict=True) if s is not None]
+    if error is not None:
+        if len(failed) > 1:
+            note = getattr(error, "add_note", None)  # Python >= 3.11
+            if note is not None:
+                note(f"[zerohooks] {what} failed on ranks {[r for r, _ in failed]}")
+        raise error
+    if failed:
+        listing = "; ".join(f"rank {r}: {s}" for r, s in failed)
+        raise RankFailedError(
+            f"rank {dist.get_rank()} stops: {what} failed on {len(failed)} of {len(ranks)} rank(s), so "
+            f"this rank does not go on alone. {listing}"
+        )

@@ -1,0 +1,162 @@
+"""The watchdog on zerohooks collectives: bounded waits that name the stalled rank, and ranks that
+agree at start-up so a failure on one reaches all of them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerohooks
+from zerohooks import watchdog
+from zerohooks.errors import CollectiveTimeoutError, ConfigError, RankFailedError
+from zerohooks.testing import distributed, run_distributed
+from zerohooks.testing.recording import RecordingPlugin
+from zerohooks.testing.toy import ds_config, make_model, train
+
+LIMIT = 2.0
+
+
+def test_limit_from_environment_and_api(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(watchdog.ENV, raising=False)
+    assert watchdog.collective_timeout() == watchdog.DEFAULT_TIMEOUT_S
+    with watchdog.set_collective_timeout(7):
+        assert watchdog.collective_timeout() == 7.0
+        monkeypatch.setenv(watchdog.ENV, "12.5")  # the environment (set by launchers) wins
+        assert watchdog.collective_timeout() == 12.5
+        monkeypatch.setenv(watchdog.ENV, "off")
+        assert watchdog.collective_timeout() is None
+        monkeypatch.delenv(watchdog.ENV)
+    assert watchdog.collective_timeout() == watchdog.DEFAULT_TIMEOUT_S
+    for bad in ("-1", "inf", "soon", "nan"):
+        monkeypatch.setenv(watchdog.ENV, bad)
+        with pytest.raises(ConfigError, match=rf"{watchdog.ENV}=.*positive number of seconds"):
+            watchdog.collective_timeout()
+    with pytest.raises(ConfigError, match="positive finite"):
+        watchdog.set_collective_timeout(0)
+
+
+@pytest.mark.multirank
+@distributed(world_size=2)
+def test_bounded_collectives_give_what_plain_ones_give() -> None:
+    rank = dist.get_rank()
+    x = torch.arange(10, dtype=torch.float32) * (rank + 1)
+    plain = x.clone()
+    dist.all_reduce(plain)
+    bounded = x.clone()
+    watchdog.run("test all_reduce", None, lambda: dist.all_reduce(bounded, async_op=True))
+    assert torch.equal(plain, bounded)
+    assert watchdog.gather_objects({"rank": rank, "x": "y" * rank}, "test gather") == [
+        {"rank": 0, "x": ""},
+        {"rank": 1, "x": "y"},
+    ]
+    watchdog.barrier("test barrier")
+
+
+def _late_joiner() -> tuple[str, float]:
+    """Rank 1 is alive but stays out of the collective for longer than the limit."""
+    watchdog.set_collective_timeout(LIMIT)
+    rank = dist.get_rank()
+    watchdog.barrier("first barrier")  # both heartbeats are running from here on
+    x = torch.ones(4)
+    if rank == 1:
+        time.sleep(3 * LIMIT)
+    t0 = time.monotonic()
+    try:
+        watchdog.run("test all_reduce", None, lambda: dist.all_reduce(x, async_op=True))
+    except CollectiveTimeoutError as e:
+        return str(e), time.monotonic() - t0
+    return "completed", time.monotonic() - t0
+
+
+@pytest.mark.multirank
+def test_alive_rank_that_does_not_join_is_named() -> None:
+    (message, waited), _ = run_distributed(_late_joiner, 2, timeout=120)
+    assert "rank 0: zerohooks collective test all_reduce" in message
+    assert f"did not complete within the {LIMIT:g} s limit" in message
+    assert "Rank 1 is alive but has not joined: it is outside zerohooks collectives" in message
+    assert "Not responding" not in message
+    assert LIMIT <= waited < LIMIT + 5, waited
+
+
+def _frozen_peer() -> tuple[str, float]:
+    """Rank 1 stops itself (SIGSTOP, as a frozen or swapped-out process); rank 0 must name it."""
+    watchdog.set_collective_timeout(LIMIT)
+    rank = dist.get_rank()
+    pids = watchdog.gather_objects(os.getpid(), "pids")
+    x = torch.ones(4)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        watchdog.run("test all_reduce", None, lambda: dist.all_reduce(x, async_op=True))
+    except CollectiveTimeoutError as e:
+        result = str(e), time.monotonic() - t0
+    else:
+        result = "completed", time.monotonic() - t0
+    if rank == 0:
+        os.kill(pids[1], signal.SIGCONT)  # let it finish, so the harness can collect it
+    return result
+
+
+@pytest.mark.multirank
+def test_frozen_rank_is_named_within_the_limit() -> None:
+    (message, waited), _ = run_distributed(_frozen_peer, 2, timeout=120)
+    assert "rank 0: zerohooks collective test all_reduce" in message
+    assert "Not responding: rank(s) [1]" in message
+    assert LIMIT <= waited < LIMIT + 5, waited
+
+
+class _FailOn(RecordingPlugin):
+    """A plugin that fails on one rank, either before DeepSpeed builds the engine or after."""
+
+    def __init__(self, rank: int, when: str) -> None:
+        super().__init__()
+        self.fail_rank = rank
+        self.when = when
+
+    def _maybe_fail(self, when: str) -> None:
+        if when == self.when and dist.get_rank() == self.fail_rank:
+            raise OSError(28, f"no space left for the plugin's files on rank {self.fail_rank}")
+
+    def attach(self, registry: Any, ctx: Any) -> None:
+        self._maybe_fail("set-up")
+        super().attach(registry, ctx)
+
+    def engine_ready(self, engine: Any, registry: Any) -> None:
+        self._maybe_fail("engine")
+        super().engine_ready(engine, registry)
+
+
+def _one_rank_fails(when: str) -> tuple[str, str, bool]:
+    watchdog.set_collective_timeout(60)
+    model = make_model()
+    try:
+        zerohooks.initialize(
+            model=model, model_parameters=model.parameters(), config=ds_config(2), plugins=[_FailOn(1, when)]
+        )
+    except (OSError, RankFailedError) as e:
+        failed = (type(e).__name__, str(e))
+    else:
+        failed = ("none", "")
+    # every rank is free and in step afterwards: a plain engine trains on both
+    model = make_model()
+    engine, *_ = zerohooks.initialize(model=model, model_parameters=model.parameters(), config=ds_config(2))
+    train(engine, 1, 2)
+    return failed[0], failed[1], zerohooks.attachment(engine) is not None
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("when", ["set-up", "engine"])
+def test_a_failure_on_one_rank_reaches_every_rank(when: str) -> None:
+    t0 = time.monotonic()
+    (kind0, text0, _), (kind1, text1, _) = run_distributed(_one_rank_fails, 2, args=(when,), timeout=240)
+    assert kind1 == "OSError" and "no space left" in text1  # the failing rank raises its own error
+    assert kind0 == "RankFailedError", (kind0, text0)
+    assert "failed on 1 of 2 rank(s)" in text0 and "rank 1: OSError" in text0 and "no space left" in text0
+    assert time.monotonic() - t0 < 200
