@@ -320,9 +320,11 @@ def barrier(what: str, group: Any = None) -> None:
 def gather_objects(obj: Any, what: str, group: Any = None, *, patient: bool = False) -> list[Any]:
     """Every rank's picklable ``obj``, in group rank order, gathered in bounded time."""
     world = dist.get_world_size(group)
+    # NCCL gathers device tensors only; gloo (and the rest) CPU ones
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    mine = torch.tensor([data.numel()], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     run(
         f"{what} (sizes)",
         group,
@@ -332,8 +334,10 @@ def gather_objects(obj: Any, what: str, group: Any = None, *, patient: bool = Fa
     longest = max(int(s.item()) for s in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[: data.numel()] = data
-    parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    padded = padded.to(device) if device is not None else padded
+    parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
     run(what, group, lambda: dist.all_gather(parts, padded, group=group, async_op=True), patient=patient)
+    parts = [p.cpu() for p in parts]
     return [pickle.loads(p[: int(s.item())].numpy().tobytes()) for p, s in zip(parts, sizes, strict=True)]
 
 
