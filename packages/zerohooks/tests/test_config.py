@@ -83,6 +83,32 @@ def test_other_top_level_keys_pass_through(key: str) -> None:
     assert split_plugin_sections(cfg, {"accumdtype": DemoPlugin}) == [] and key in cfg
 
 
+@pytest.mark.parametrize(
+    ("outer", "inner"),
+    [
+        ("plugins", "loco"),
+        ("zerohooks", "Accum_Dtype"),
+        ("zero_optimization", "loco"),
+        ("my_tool", "nvme swap"),
+    ],
+)
+def test_plugin_section_nested_one_level_down_is_refused(outer: str, inner: str) -> None:
+    # DeepSpeed ignores an unknown top-level key with all it holds: the plugin would silently
+    # stay off (found by tests/integration/test_config_property.py)
+    cfg = {"train_batch_size": 8, outer: {inner: {"bits": 4}}}
+    with pytest.raises(
+        ConfigError, match=rf'"{inner}" section under "{outer}".*move it to the top level as "'
+    ):
+        split_plugin_sections(cfg, {"accumdtype": DemoPlugin})
+
+
+def test_plugin_like_keys_nested_in_deepspeed_sections_pass_through() -> None:
+    # only a plugin's name in another case or spacing counts one level down, not a close match:
+    # DeepSpeed's data_types.grad_accum_dtype is no accumdtype section
+    cfg = {"data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 2}}
+    assert split_plugin_sections(cfg, {"accumdtype": DemoPlugin}) == [] and "data_types" in cfg
+
+
 @pytest.mark.parametrize("value", ["false", "true", 0, 1, None, "no"])
 def test_enabled_must_be_a_json_boolean(value: object) -> None:
     with pytest.raises(ConfigError, match=r'"accumdtype\.enabled" must be the JSON boolean'):

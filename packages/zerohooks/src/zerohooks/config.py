@@ -169,13 +169,23 @@ def _deepspeed_keys() -> set[str]:
 def check_misspelt_sections(ds_config: Mapping[str, Any], names: set[str]) -> None:
     """Refuse a top-level key that is neither DeepSpeed's nor a plugin's but is a plugin's name in
     another case or spacing (``"Loco"``, ``"loco "``, ``"nvme_swap"``) or a close misspelling
-    (``"lcoo"``): DeepSpeed would ignore it without a word and the run would train without the plugin."""
+    (``"lcoo"``), and a plugin's name (in any case or spacing) nested one level down
+    (``"plugins": {"loco": {...}}``, ``"zero_optimization": {"loco": {...}}``): DeepSpeed would
+    ignore it (or refuse it in its own words) and the run would train without the plugin."""
     plugins = sorted(names | set(KNOWN_PLUGINS))
     candidates = {_normalised(p): p for p in plugins}
     ds_keys: set[str] | None = None
-    for key in ds_config:
+    for key, value in ds_config.items():
         if not isinstance(key, str) or key in candidates.values():
             continue
+        if isinstance(value, Mapping):
+            for inner in value:
+                if isinstance(inner, str) and _normalised(inner) in candidates:
+                    raise ConfigError(
+                        f'the DeepSpeed config has a "{inner}" section under "{key}" ("{key}.{inner}"): '
+                        "plugin sections are top-level keys of the DeepSpeed config, and nested there it would "
+                        f'not enable the plugin; move it to the top level as "{candidates[_normalised(inner)]}"'
+                    )
         norm = _normalised(key)
         close = (
             [candidates[norm]]
@@ -213,7 +223,8 @@ def split_plugin_sections(
     :class:`PluginNotInstalledError` naming the distribution.  A section may be ``false`` or
     ``{"enabled": false}`` to leave the plugin off (``enabled`` must be a JSON boolean).  A
     top-level key that is a plugin's name in another case or spacing, or a close misspelling of
-    one, and not a DeepSpeed key, is a :class:`ConfigError` with the close match.
+    one, and not a DeepSpeed key, is a :class:`ConfigError` with the close match, as is a plugin's
+    name nested one level down (``"plugins": {"loco": {...}}``).
     """
     eps = _entry_points() if plugins is None else {}
     names = set(plugins) if plugins is not None else set(eps)
