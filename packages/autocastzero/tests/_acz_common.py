@@ -266,6 +266,31 @@ def _overflow_step(engine: Any, step: int, rank: int) -> None:
         engine.step()
 
 
+def scenario_always_overflows() -> dict[str, Any]:
+    """fp16 on ZeRO 2 with an inf loss at every step: every step is skipped, the scale backs off
+    from 4 to min_loss_scale 1 (steps 0-1), then stays there; the steps at which each rank warned."""
+    import warnings
+
+    from autocastzero import autocast_state
+    from autocastzero.scaling import STUCK_STEPS
+    from zerohooks.testing.toy import batch, loss_fn
+
+    rank = int(os.environ.get("RANK", "0"))
+    section = {"dtype": "float16", "initial_scale_power": 2, "hysteresis": 1}
+    engine = build(2, {"autocastzero": section}, gas=1)
+    scale = autocast_state(engine).scale
+    assert scale is not None
+    warned: list[tuple[int, str]] = []
+    for step in range(2 + STUCK_STEPS + 3):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            tokens, target = batch(step, 0, rank)
+            engine.backward(loss_fn(engine, tokens, target) * torch.tensor(float("inf")))
+            engine.step()
+        warned += [(step, str(w.message)) for w in seen if "autocastzero" in str(w.message)]
+    return {"warned": warned, "skipped": engine.skipped_steps, "scale": scale.scale, "steps": step + 1}
+
+
 def scale_rule_vs_deepspeed() -> list[tuple[int, int, int]]:
     """The plugin's scale rule and DeepSpeed's fp16 DynamicLossScaler on random overflow
     sequences: (window, hysteresis, first step where they disagree or -1)."""
@@ -346,6 +371,7 @@ def scenario_gpt2() -> dict[str, Any] | None:
 def all_two_rank_scenarios(ckpt_dir: str) -> dict[str, Any]:
     """Every 2-rank scenario, in one launch."""
     res: dict[str, Any] = {"scale_rule": scale_rule_vs_deepspeed()}
+    res["always_overflows"] = scenario_always_overflows()
     res["gpt2"] = scenario_gpt2()
     for stage in STAGES:
         res[f"bf16_z{stage}"] = scenario_bf16(stage)

@@ -49,10 +49,24 @@ def test_defaults_and_aliases() -> None:
         ({"lower_precision_safe_modules": ["nosuchpkg.Linear"]}, "cannot import module 'nosuchpkg'"),
         ({"dtype": "bfloat16", "initial_scale_power": 8}, "only apply to dtype float16"),
         ({"dtype": "float16", "loss_scale_window": 0}, "autocastzero.loss_scale_window"),
+        # scales with which no step can train: refused naming the key and the accepted range
+        *(
+            ({"dtype": "float16", "loss_scale": bad}, "autocastzero.loss_scale: .*must be 0 .*from 2**-24")
+            for bad in (float("inf"), 1e300, float("nan"), -1.0, 1e-30, "inf")
+        ),
+        *(
+            ({"dtype": "float16", "min_loss_scale": bad}, "autocastzero.min_loss_scale: .*from 2**-24")
+            for bad in (float("inf"), 0.0, 1e300)
+        ),
+        ({"dtype": "float16", "initial_scale_power": 33}, "autocastzero.initial_scale_power: .*32"),
+        ({"dtype": "float16", "initial_scale_power": 4, "min_loss_scale": 32}, "above the first loss scale"),
+        ({"dtype": "float16", "loss_scale": 128, "hysteresis": 3}, "keys hysteresis would be ignored"),
     ],
 )
 def test_bad_section_is_refused(section: dict[str, Any], needle: str) -> None:
-    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(
+        ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)").replace("**", r"\*\*")
+    ):
         _init(ds_config(1, sections={"autocastzero": section}))
 
 
@@ -258,3 +272,34 @@ def test_hugging_face_gpt2_without_conv1d_warns_naming_it() -> None:
         RuntimeWarning, match=r"transformers\.pytorch_utils\.Conv1D \(\d+% of the parameters, 8 modules\)"
     ):
         warn_if_nothing_safe(model, cfg, safe_parameters(model, cfg), stage=2)
+
+
+def test_largest_and_smallest_scales_are_accepted() -> None:
+    for section in (
+        {"dtype": "float16", "loss_scale": 2.0**32},
+        {"dtype": "float16", "loss_scale": 2.0**-24},
+        {"dtype": "float16", "initial_scale_power": 32, "min_loss_scale": 2.0**32},
+        {"dtype": "float16", "loss_scale": 0, "min_loss_scale": 2.0**-24},
+    ):
+        AutocastZeroConfig.model_validate(section)
+
+
+def test_stuck_run_is_reported_once_per_run() -> None:
+    from autocastzero.scaling import STUCK_STEPS, ScaleState, load, save, stuck_message, update
+
+    state = ScaleState(2.0**16, dynamic=False)
+    seen = []
+    for run in range(2):
+        for i in range(STUCK_STEPS + 5):
+            update(state, True)
+            seen.append((run, i, stuck_message(state)))
+        update(state, False)  # a step that trains ends the run
+        assert stuck_message(state) is None and state.skipped_run == 0
+    reported = [(run, i) for run, i, m in seen if m is not None]
+    assert reported == [(0, STUCK_STEPS - 1), (1, STUCK_STEPS - 1)]
+    text = next(m for *_, m in seen if m is not None)
+    assert "static loss_scale 65536" in text and "use a smaller loss_scale, or 0 for dynamic scaling" in text
+    # a checkpoint written before these counters existed still loads
+    old = {k: v for k, v in save(state).items() if k not in ("skipped_run", "stuck_run")}
+    load(state, old)
+    assert state.skipped_run == state.stuck_run == 0

@@ -69,3 +69,20 @@ def test_detach_restores_deepspeeds_scaler_slots(two_ranks: list[dict[str, Any]]
     for rank in two_ranks:
         checks = rank[f"fp16_z{stage}"]["detached"]
         assert checks and all(checks.values()), checks
+
+
+def test_a_run_that_skips_every_step_is_reported_once(two_ranks: list[dict[str, Any]]) -> None:
+    """It used to skip forever without a word; rank 0 now warns when STUCK_STEPS consecutive steps
+    were skipped at min_loss_scale (the 12th step: 2 back-off steps first), and only then."""
+    from autocastzero.scaling import STUCK_STEPS
+
+    for rank, res in enumerate(two_ranks):
+        r = res["always_overflows"]
+        assert r["skipped"] == r["steps"] and r["scale"] == 1.0
+        if rank:
+            assert r["warned"] == []
+            continue
+        ((step, text),) = r["warned"]
+        assert step == 2 + STUCK_STEPS - 1
+        assert f"the last {2 + STUCK_STEPS} optimizer steps were all skipped" in text, text
+        assert "the loss scale is 1 " in text and "min_loss_scale 1" in text and "inf/nan" in text, text

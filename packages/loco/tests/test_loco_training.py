@@ -95,9 +95,28 @@ def _check_fp16_skip_restores(stage: int) -> None:
     assert all(torch.isfinite(b.values(128)).all() for b in plugin.state.buffers.values())
 
 
+def _check_missing_zero3_internal_is_named() -> None:
+    """A DeepSpeed without an internal loco's ZeRO-3 reduce-scatter path calls while training is
+    refused when the engine is built, with zerohooks' named error (not an AttributeError at the
+    first backward)."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+    saved = Stage3._gradient_averaging_world_size
+    del Stage3._gradient_averaging_world_size
+    try:
+        with pytest.raises(
+            zerohooks.DeepSpeedInternalMissing,
+            match=r"DeepSpeedZeroOptimizer_Stage3\._gradient_averaging_world_size",
+        ):
+            _loco_engine(3, "fp32", {"kernels": "reference"})
+    finally:
+        Stage3._gradient_averaging_world_size = saved
+
+
 @pytest.mark.multirank
 @distributed(world_size=2, fp16_on_cpu=True, timeout=900)
 def test_zero_1_2_3_with_every_dtype_on_2_ranks(tmp_path) -> None:
+    _check_missing_zero3_internal_is_named()
     for stage, dtype in ((1, "fp16"), (2, "bf16"), (3, "fp32"), (3, "bf16")):
         _check_against_exact(stage, dtype)
     _check_against_exact(2, "fp32", {"bits": 8, "error_dtype": "bf16", "kernels": "reference"})

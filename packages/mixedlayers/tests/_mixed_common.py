@@ -208,6 +208,7 @@ def all_two_rank_scenarios(tmp: str) -> dict[str, Any]:
     results["detach"] = detach_scenario()
     results["frozen"] = {f"z{stage}": frozen_scenario(stage) for stage in (2, 3)}
     results["client_optimizer"] = client_optimizer_scenario()
+    results["reinit"] = {f"z{stage}": reinit_scenario(stage) for stage in (2, 3)}
     return _portable(results)
 
 
@@ -264,6 +265,27 @@ def client_optimizer_scenario() -> dict[str, Any]:
     engine, *_ = zerohooks.initialize(model=model, optimizer=opt, config=cfg)
     losses = train(engine, 2, GAS)
     return {"dtypes": param_dtypes(engine), "groups": len(opt.param_groups), "losses": losses}
+
+
+def reinit_scenario(stage: int) -> dict[str, Any]:
+    """A second ``zerohooks.initialize`` on a model mixedlayers already prepared for an engine:
+    the error it gets, and the first engine's losses around it (against an engine that never saw
+    a second initialize)."""
+    import zerohooks
+
+    def config() -> dict[str, Any]:
+        return ds_config(stage, "bf16", gas=GAS, sections={"mixedlayers": SECTION}, optimizer=OPTIMIZER)
+
+    model = make_model()
+    engine, *_ = zerohooks.initialize(model=model, model_parameters=model.parameters(), config=config())
+    losses = train(engine, 1, GAS)
+    try:
+        zerohooks.initialize(model=model, model_parameters=model.parameters(), config=config())
+        error = ""
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    losses += train(engine, 1, GAS, first=1)
+    return {"error": error, "losses": losses, "reference": train(build(stage, "bf16", False), 2, GAS)}
 
 
 def detach_scenario() -> dict[str, Any]:

@@ -125,3 +125,16 @@ def test_client_optimizer_object_is_split(two_ranks: list[dict[str, Any]]) -> No
         assert res["groups"] == 2
         assert res["dtypes"] == _expected_dtypes("bf16")
         assert torch.isfinite(torch.tensor(res["losses"])).all()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_second_initialize_on_the_same_model_is_refused(two_ranks: list[dict[str, Any]], stage: int) -> None:
+    """It crashed inside DeepSpeed at the first backward (ZeRO 2) or was refused as a zero.Init
+    model (ZeRO 3); now it is refused for what it is, before anything changes."""
+    for res in _cases(two_ranks, "reinit"):
+        r = res[f"z{stage}"]
+        assert r["error"].startswith(
+            "ConfigError: mixedlayers: this model was already prepared by mixedlayers for another engine"
+        ), r["error"]
+        assert "Build a new model object" in r["error"] and "zero.Init" not in r["error"]
+        assert r["losses"] == r["reference"]  # the first engine trains on untouched

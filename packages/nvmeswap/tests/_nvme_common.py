@@ -310,6 +310,28 @@ def scenario_variants(tmp: str) -> dict[str, Any]:
     return out
 
 
+def scenario_shared_folder(tmp: str) -> dict[str, Any]:
+    """A second engine given the swap folder of a live one is refused; the first trains on; once it
+    is detached the folder serves a new engine (whose run repeats the first one's exactly)."""
+    import zerohooks
+    from nvmeswap import SwapFolderInUseError
+
+    path = f"{tmp}/shared"
+    first = _build(config(path, nvmeswap={}))
+    losses = train(first, 1)
+    try:
+        _build(config(path, nvmeswap={}))
+        error = ""
+    except SwapFolderInUseError as e:
+        error = f"{type(e).__name__}: {e}"
+    losses += train(first, 1, first=1)
+    zerohooks.detach(first)
+    second = _build(config(path, nvmeswap={}))
+    again = train(second, 2)
+    zerohooks.detach(second)
+    return {"error": error, "losses": losses, "again": again, "left": swap_files(path)}
+
+
 def all_two_rank_scenarios(tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, fn in (
@@ -318,6 +340,7 @@ def all_two_rank_scenarios(tmp: str) -> dict[str, Any]:
         ("set_grad", scenario_set_grad),
         ("corruption", scenario_corruption),
         ("checkpoint", scenario_checkpoint),
+        ("shared_folder", scenario_shared_folder),
     ):
         out[name] = fn(tmp)
     return out

@@ -1,4 +1,5 @@
-"""Faults on 2 gloo ranks: a disk without room, a rank killed mid-step then resumed."""
+"""Faults on 2 gloo ranks: a disk without room (for the ranks together), a rank killed mid-step then
+resumed, two engines given one swap folder."""
 
 from __future__ import annotations
 
@@ -41,16 +42,19 @@ def _initialize(folder: str, fsize_limit: int | None = None) -> str:
 def _check_space_error(text: str, folder: str) -> None:
     assert "SwapSpaceError" in text, text
     assert folder in text and "bytes needed" in text and "bytes free" in text, text
+    # both ranks' files are counted: each rank's 7 MiB alone would fit
+    assert "2 rank(s) [0, 1]" in text and "rank 0: " in text and "rank 1: " in text, text
 
 
 def test_disk_full_fails_at_start_on_a_small_tmpfs(tmp_path, native_engine: bool) -> None:
-    """A 3 MiB tmpfs mounted in a user namespace (no root needed) for 2 x 7 MiB of swap files."""
+    """A 10 MiB tmpfs mounted in a user namespace (no root needed) for 2 x 7 MiB of swap files: room
+    for one rank's files, not for both; every rank fails at start, naming the total."""
     if shutil.which("unshare") is None:
         pytest.skip("unshare(1) is not installed")
     mnt = tmp_path / "small"
     mnt.mkdir()
     probe = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=3m nvmeswap-test {mnt}"], capture_output=True
+        ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=10m nvmeswap-test {mnt}"], capture_output=True
     )
     if probe.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs in a user namespace here: {probe.stderr.decode().strip()}")
@@ -74,7 +78,7 @@ def test_disk_full_fails_at_start_on_a_small_tmpfs(tmp_path, native_engine: bool
             "-rm",
             "sh",
             "-c",
-            f"mount -t tmpfs -o size=3m nvmeswap-test {mnt} && exec {sys.executable} {script}",
+            f"mount -t tmpfs -o size=10m nvmeswap-test {mnt} && exec {sys.executable} {script}",
         ],
         capture_output=True,
         text=True,
@@ -159,3 +163,53 @@ def test_clean_exit_removes_swap_files(tmp_path) -> None:
     assert all(during)  # the files existed while training
     for rank in range(2):
         assert swap_files(f"{folder}{rank}") == []  # gone once the rank's interpreter exited
+
+
+def test_a_shared_swap_folder_is_refused_naming_its_holder(two_ranks: list[dict[str, Any]]) -> None:
+    """It used to be accepted, and the first engine then stopped on a "corrupted" swap file."""
+    for rank, res in enumerate(two_ranks):
+        r = res["shared_folder"]
+        assert r["error"].startswith("SwapFolderInUseError: nvmeswap: the swap folder"), r["error"]
+        assert f"nvmeswap/rank{rank:05d}' is in use by another engine (rank {rank}, pid " in r["error"]
+        assert "(this process)" in r["error"] and "its own folder" in r["error"]
+        assert r["losses"] == r["again"]  # the first engine trained on untouched; the folder was reused
+        assert r["left"] == []
+
+
+_HOLD = """
+import fcntl, json, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+os.pwrite(fd, json.dumps({"host": "elsewhere", "pid": os.getpid(), "rank": 3, "since": "then"}).encode(), 0)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_folder_claim_is_exclusive_across_processes_and_dies_with_its_holder(tmp_path) -> None:
+    """The claim protocol (flock on owner.lock) against a holder in another process, which is then
+    killed: the kernel drops its lock, so a killed run leaves no stale claim."""
+    from nvmeswap import SwapFolderInUseError
+    from nvmeswap.folder import LOCK, claim
+
+    folder = str(tmp_path / "rank00000")
+    os.makedirs(folder)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, os.path.join(folder, LOCK)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(
+            SwapFolderInUseError, match=rf"rank 3, pid {holder.pid} on host elsewhere, since then\)"
+        ):
+            claim(folder, 0)
+    finally:
+        holder.kill()
+        holder.wait()
+    mine = claim(folder, 0)  # the holder died: its claim went with it
+    try:
+        with pytest.raises(SwapFolderInUseError, match=r"rank 0, pid \d+ on host .*\(this process\)"):
+            claim(folder, 1)  # a second engine of this process
+    finally:
+        mine.release()
+    claim(folder, 1).release()

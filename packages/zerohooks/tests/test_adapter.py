@@ -83,6 +83,31 @@ def test_missing_deepspeed_internal_is_named() -> None:
         assert "backward" not in vars(engine) and "process_gradients" not in vars(engine.optimizer)
     finally:
         DeepSpeedZeroOptimizer.allreduce_bucket = saved
+    _missing_zero3_internal_is_named()
+
+
+def _missing_zero3_internal_is_named() -> None:
+    """ZeRO 3 with a plugin owning the collective: an internal the reduce-scatter wrapper only
+    calls while training is checked when the engine is built (it was an AttributeError in the
+    middle of the first backward)."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+    saved = Stage3._gradient_averaging_world_size
+    del Stage3._gradient_averaging_world_size
+    try:
+        model = make_model()
+        with pytest.raises(
+            DeepSpeedInternalMissing,
+            match=r"DeepSpeedZeroOptimizer_Stage3\._gradient_averaging_world_size, which DeepSpeed 0\.19",
+        ):
+            zerohooks.initialize(
+                model=model,
+                model_parameters=model.parameters(),
+                config=ds_config(3),
+                plugins=[RecordingPlugin()],
+            )
+    finally:
+        Stage3._gradient_averaging_world_size = saved
 
 
 @pytest.mark.multirank

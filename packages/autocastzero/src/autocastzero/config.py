@@ -7,6 +7,7 @@ anything: a conflict is refused with a message that says which key to change.
 from __future__ import annotations
 
 import importlib
+import math
 import sys
 from typing import Any, Literal
 
@@ -20,6 +21,8 @@ __all__ = [
     "DEFAULT_SAFE_MODULES",
     "DTYPES",
     "IMPORTED_ONLY_MODULES",
+    "MAX_LOSS_SCALE",
+    "MIN_LOSS_SCALE",
     "AutocastZeroConfig",
     "check_deepspeed_config",
     "resolve_class",
@@ -56,6 +59,34 @@ imported: a model cannot hold an instance of a class whose module was never impo
 autocastzero never imports (or needs) transformers, and a missing one is no error."""
 
 _SCALING_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
+_DYNAMIC_KEYS = ("initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
+
+MAX_SCALE_POWER = 32
+MAX_LOSS_SCALE = 2.0**MAX_SCALE_POWER
+"""The largest loss scale accepted (static ``loss_scale``, ``2**initial_scale_power``,
+``min_loss_scale``): Megatron-LM's default first scale.  float16 holds at most 65504, so with a
+larger scale every float16 gradient above ``65504 / 2**32`` (about 1.5e-5) overflows and the step
+is skipped; a scale that stays there (static, or a floor) skips every step."""
+MIN_LOSS_SCALE = 2.0**-24
+"""The smallest positive loss scale accepted: float16's smallest subnormal.  Below it every
+float16 gradient under 1 is flushed to zero (nothing trains, without an overflow to report)."""
+
+
+def _scale_problem(value: float) -> str | None:
+    """Why ``value`` cannot be a loss scale, or None when it is finite and within
+    [:data:`MIN_LOSS_SCALE`, :data:`MAX_LOSS_SCALE`]."""
+    if math.isnan(value):
+        return "nan makes every scaled loss nan: every step would be skipped"
+    if value < 0:
+        return "a negative scale flips the sign of every gradient"
+    if value > MAX_LOSS_SCALE:
+        return "float16 gradients overflow at such a scale: every step would be skipped"
+    if value < MIN_LOSS_SCALE:
+        return "every float16 gradient below 1 would underflow to zero"
+    return None
+
+
+_SCALE_RANGE = f"from 2**-24 ({MIN_LOSS_SCALE:g}) to 2**{MAX_SCALE_POWER} ({MAX_LOSS_SCALE:.0f})"
 
 
 def resolve_class(path: str) -> type[nn.Module]:
@@ -109,11 +140,12 @@ class AutocastZeroConfig(PluginConfig):
     """ZeRO 3: all-gather safe parameters in ``dtype`` (the gathered parameter is fp32 again,
     holding the ``dtype``-rounded value); False gathers in fp32."""
 
-    loss_scale: float = pydantic.Field(default=0.0, ge=0.0)
-    """float16 only: a static loss scale, or 0 for dynamic loss scaling."""
+    loss_scale: float = 0.0
+    """float16 only: a static loss scale (finite, from 2**-24 to 2**32: :data:`MIN_LOSS_SCALE`,
+    :data:`MAX_LOSS_SCALE`), or 0 for dynamic loss scaling."""
 
-    initial_scale_power: int = pydantic.Field(default=16, ge=0, le=64)
-    """float16 dynamic scaling: the first loss scale is ``2**initial_scale_power``."""
+    initial_scale_power: int = pydantic.Field(default=16, ge=0, le=MAX_SCALE_POWER)
+    """float16 dynamic scaling: the first loss scale is ``2**initial_scale_power`` (0 to 32)."""
 
     loss_scale_window: int = pydantic.Field(default=1000, ge=1)
     """float16 dynamic scaling: the scale doubles at each step preceded by a multiple of this many
@@ -123,14 +155,33 @@ class AutocastZeroConfig(PluginConfig):
     """float16 dynamic scaling: overflowing steps tolerated before the scale halves (every one is
     skipped); 1 halves at every overflow.  Refilled when the scale grows."""
 
-    min_loss_scale: float = pydantic.Field(default=1.0, gt=0.0)
-    """float16 dynamic scaling: the scale never goes below this."""
+    min_loss_scale: float = 1.0
+    """float16 dynamic scaling: the scale never goes below this (finite, from 2**-24 to the first
+    scale ``2**initial_scale_power``)."""
 
     @pydantic.field_validator("dtype", mode="before")
     @classmethod
     def _dtype_alias(cls, value: Any) -> Any:
         key = str(value).lower()
         return _ALIASES.get(key, value)
+
+    @pydantic.field_validator("loss_scale")
+    @classmethod
+    def _static_scale(cls, value: float) -> float:
+        why = None if value == 0 else _scale_problem(value)
+        if why is not None:
+            raise ValueError(
+                f"must be 0 (dynamic loss scaling) or a static scale, a finite number {_SCALE_RANGE}: {why}"
+            )
+        return value
+
+    @pydantic.field_validator("min_loss_scale")
+    @classmethod
+    def _floor(cls, value: float) -> float:
+        why = _scale_problem(value)
+        if why is not None:
+            raise ValueError(f"must be a finite number {_SCALE_RANGE}: {why}")
+        return value
 
     @pydantic.field_validator("lower_precision_safe_modules")
     @classmethod
@@ -149,6 +200,21 @@ class AutocastZeroConfig(PluginConfig):
                     f"{', '.join(given)} only apply to dtype float16 (bfloat16 needs no loss scaling); "
                     "remove them or set dtype to float16"
                 )
+            return self
+        if self.loss_scale > 0:
+            given = [k for k in _DYNAMIC_KEYS if k in self.model_fields_set]
+            if given:
+                raise ValueError(
+                    f"the dynamic-scaling keys {', '.join(given)} would be ignored: loss_scale is "
+                    f"{self.loss_scale:g}, a static scale; remove them, or set loss_scale to 0 for dynamic "
+                    "scaling"
+                )
+        elif self.min_loss_scale > math.ldexp(1.0, self.initial_scale_power):
+            raise ValueError(
+                f"min_loss_scale ({self.min_loss_scale:g}) is above the first loss scale "
+                f"2**initial_scale_power ({math.ldexp(1.0, self.initial_scale_power):g}); the scale could "
+                "never back off. Lower min_loss_scale or raise initial_scale_power"
+            )
         return self
 
     @property

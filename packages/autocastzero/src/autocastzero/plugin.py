@@ -12,10 +12,18 @@ from typing_extensions import override
 
 import zerohooks
 from autocastzero.config import AutocastZeroConfig, check_deepspeed_config
-from autocastzero.scaling import ScaleState, Zero0Scaler, ZeroLossScaler, initial_scale, load, save
+from autocastzero.scaling import (
+    ScaleState,
+    Zero0Scaler,
+    ZeroLossScaler,
+    initial_scale,
+    load,
+    save,
+    stuck_message,
+)
 from autocastzero.select import safe_parameters, warn_if_nothing_safe
-from zerohooks import PluginConfig, SetupContext, ZeroPlugin
-from zerohooks.hookspec import GatherDtypeHook, PrepareModelHook, ReduceDtypeHook
+from zerohooks import PluginConfig, SetupContext, StepContext, ZeroPlugin
+from zerohooks.hookspec import AfterStepHook, GatherDtypeHook, PrepareModelHook, ReduceDtypeHook
 from zerohooks.registry import HookRegistry
 
 __all__ = ["AutocastState", "AutocastZeroPlugin", "ScaleCheckpoint", "autocast_state", "warn_if_slow_here"]
@@ -131,6 +139,8 @@ class AutocastZeroPlugin(ZeroPlugin):
             registry.register_reduce_dtype(_reduce_dtype(state), name=self.name)
         if cfg.low_precision_gather and ctx.zero_stage == 3:
             registry.register_gather_dtype(_gather_dtype(state), name=self.name)
+        if scale is not None:
+            registry.register_after_step(_report_stuck(state), name=self.name)
 
     @override
     def engine_ready(self, engine: Any, registry: HookRegistry) -> None:
@@ -208,6 +218,19 @@ def _gather_dtype(state: AutocastState) -> GatherDtypeHook:
         return state.dtype if id(param) in state.safe else dtype
 
     return gather_dtype
+
+
+def _report_stuck(state: AutocastState) -> AfterStepHook:
+    """Warn (rank 0, once per run of skipped steps) when every step is being skipped and backing
+    off the scale cannot help any more (:func:`autocastzero.scaling.stuck_message`)."""
+
+    def after_step(ctx: StepContext, skipped: bool) -> None:
+        scale = state.scale
+        message = stuck_message(scale) if scale is not None and skipped else None
+        if message is not None and getattr(state.engine, "global_rank", 0) == 0:
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    return after_step
 
 
 def _autocast_forward(state: AutocastState) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

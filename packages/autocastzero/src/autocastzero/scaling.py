@@ -20,7 +20,22 @@ from typing import Any
 import torch
 from deepspeed.runtime.fp16.loss_scaler import LossScalerBase
 
-__all__ = ["ScaleState", "Zero0Scaler", "ZeroLossScaler", "grads_overflow", "load", "save", "update"]
+__all__ = [
+    "STUCK_STEPS",
+    "ScaleState",
+    "Zero0Scaler",
+    "ZeroLossScaler",
+    "grads_overflow",
+    "load",
+    "save",
+    "stuck_message",
+    "update",
+]
+
+STUCK_STEPS = 10
+"""Consecutive skipped steps at the lowest scale the scaler can reach (a static scale, or a dynamic
+one at ``min_loss_scale``) after which :func:`stuck_message` reports the run: backing off cannot
+help any more, so the run would skip every step from then on without a word."""
 
 
 class ScaleState:
@@ -34,7 +49,9 @@ class ScaleState:
         "min_scale",
         "overflows",
         "scale",
+        "skipped_run",
         "steps",
+        "stuck_run",
         "window",
     )
 
@@ -56,6 +73,11 @@ class ScaleState:
         """Optimizer steps seen (taken or skipped)."""
         self.overflows = 0
         """Steps skipped for inf/nan gradients."""
+        self.skipped_run = 0
+        """Consecutive steps skipped up to the last one (0 after a step that was taken)."""
+        self.stuck_run = 0
+        """Of those, the steps skipped at a scale that could not back off further (static, or at
+        ``min_scale``)."""
 
 
 def update(state: ScaleState, overflow: bool) -> None:
@@ -71,12 +93,16 @@ def update(state: ScaleState, overflow: bool) -> None:
     if overflow:
         state.overflows += 1
         state.good_steps = 0
+        state.skipped_run += 1
+        if not state.dynamic or state.scale <= state.min_scale:
+            state.stuck_run += 1
         if state.dynamic:
             if state.hysteresis == 1 or state.hysteresis_left == 1:
                 state.scale = max(state.scale / 2.0, state.min_scale)
             else:
                 state.hysteresis_left -= 1
         return
+    state.skipped_run = state.stuck_run = 0
     stable = state.good_steps
     state.good_steps += 1
     if state.dynamic and stable > 0 and stable % state.window == 0:
@@ -90,9 +116,33 @@ def save(state: ScaleState) -> dict[str, Any]:
 
 
 def load(state: ScaleState, saved: dict[str, Any]) -> None:
-    """Restore what :func:`save` returned."""
+    """Restore what :func:`save` returned (the skip-run counters of older checkpoints, which lack
+    them, restart from 0)."""
     for name in ScaleState.__slots__:
-        setattr(state, name, saved[name])
+        setattr(state, name, saved.get(name, 0) if name in _NEWER else saved[name])
+
+
+_NEWER = frozenset({"skipped_run", "stuck_run"})
+
+
+def stuck_message(state: ScaleState) -> str | None:
+    """The warning for a run that skips every step, once per run of skipped steps: when the
+    :data:`STUCK_STEPS`-th consecutive step was skipped at the lowest scale the scaler can reach;
+    None at every other step."""
+    if state.stuck_run != STUCK_STEPS:
+        return None
+    if state.dynamic:
+        where = f"at the minimum scale (min_loss_scale {state.min_scale:g}), which cannot back off further"
+        fix = "lower autocastzero.min_loss_scale if the gradients are merely large"
+    else:
+        where = f"at the static loss_scale {state.scale:g}"
+        fix = "use a smaller loss_scale, or 0 for dynamic scaling"
+    return (
+        f"autocastzero: the last {state.skipped_run} optimizer steps were all skipped for inf/nan gradients "
+        f"({state.stuck_run} of them {where}); the loss scale is {state.scale:g} and training makes no "
+        "progress. Likely cause: the loss or the gradients are inf/nan at any scale (check the inputs, "
+        f"the learning rate, a log or division of zero in the loss), or float16 overflows: {fix}"
+    )
 
 
 def grads_overflow(grads: Iterable[torch.Tensor | None]) -> bool:

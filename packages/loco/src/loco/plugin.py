@@ -153,6 +153,7 @@ class LocoPlugin(ZeroPlugin):
         self.kernels = False
         self._topologies: dict[Any, comm.Topology] = {}
         self._two_level: comm.Topology | None = None
+        self._served = False
         self.reducer = LocoReducer(self.state, self.cfg.exact_below, self._topology, self._window)
 
     @property
@@ -170,6 +171,13 @@ class LocoPlugin(ZeroPlugin):
             )
 
     def attach(self, registry: HookRegistry, ctx: SetupContext) -> None:
+        if self._served:
+            # given to a new engine after the last one was detached: start afresh (error buffers,
+            # counters, statistics), as a new plugin object would
+            self.state = self.reducer.state = LocoState(self.cfg)
+            self._topologies = {}
+            self._two_level = None
+        self._served = True
         self._fp16 = ctx.train_dtype == torch.float16
         self.state.keep_snapshots = self._fp16 and self.cfg.on_skip == "restore"
         world = ctx.world_size

@@ -154,12 +154,41 @@ class MixedLayersPlugin(ZeroPlugin):
 
 
 # -- hook factories ------------------------------------------------------------------------------
+PREPARED = "_mixedlayers_prepared"
+"""Attribute set on every parameter of a model mixedlayers prepared for an engine."""
+
+
+def _refuse_prepared_model(model: nn.Module) -> None:
+    """A model (or a parameter of it) already prepared for another engine cannot be prepared again.
+
+    DeepSpeed cast (ZeRO 3: partitioned) its parameters for that engine, and the kept modules
+    carry that engine's casts; a second engine built on them would crash in DeepSpeed (ZeRO 1/2:
+    at the first backward) or be mistaken for a model built under ``deepspeed.zero.Init``."""
+    if any(getattr(p, PREPARED, False) for p in model.parameters()):
+        raise ConfigError(
+            "mixedlayers: this model was already prepared by mixedlayers for another engine (an earlier "
+            "zerohooks.initialize on the same model object, or on modules shared with it): DeepSpeed cast "
+            "its parameters to the training dtype (ZeRO 3: partitioned them) for that engine, and the kept "
+            "modules carry that engine's casts, so a second engine cannot be built on it, even after "
+            "zerohooks.detach. Build a new model object for each zerohooks.initialize; to carry the "
+            "weights over, save a checkpoint with the first engine and load it into the new one"
+        )
+
+
+def _mark_prepared(model: nn.Module) -> None:
+    for p in model.parameters():
+        setattr(p, PREPARED, True)
+
+
 def _prepare_model(cfg: MixedLayersConfig, state: MixedState) -> PrepareModelHook:
     def prepare_model(model: nn.Module, ctx: SetupContext) -> nn.Module | None:
+        _refuse_prepared_model(model)
         if any(hasattr(p, "ds_id") for p in model.parameters()):
             raise ConfigError(
-                "mixedlayers does not support models built under deepspeed.zero.Init (their parameters are "
-                "already partitioned in the training dtype); build the model normally, ZeRO 3 partitions it. "
+                "mixedlayers does not support models whose parameters are already partitioned by ZeRO 3 "
+                "(built under deepspeed.zero.Init, or given to an earlier deepspeed.initialize): they are "
+                "partitioned in the training dtype; build the model normally (a new model object for each "
+                "engine), ZeRO 3 partitions it. "
                 "Hugging Face: from_pretrained/from_config use zero.Init once a ZeRO 3 TrainingArguments (or "
                 "accelerate's zero3_init_flag) exists; build the model before the TrainingArguments, or "
                 "construct it directly (e.g. GPT2LMHeadModel(config)), or set zero3_init_flag=False"
@@ -169,6 +198,7 @@ def _prepare_model(cfg: MixedLayersConfig, state: MixedState) -> PrepareModelHoo
         state.boundaries = outermost(selected)
         install_boundary_hooks(state)
         state.handles.append(shadow_module_to(state, model, params=ctx.zero_stage != 3))
+        _mark_prepared(model)
         return None
 
     return prepare_model
@@ -178,10 +208,12 @@ def _prepare_under_autocast(
     cfg: MixedLayersConfig, state: MixedState, contexts: list[Any]
 ) -> PrepareModelHook:
     def prepare_model(model: nn.Module, ctx: SetupContext) -> nn.Module | None:
+        _refuse_prepared_model(model)
         selected = add_sharers(model, select_modules(model, cfg))
         record_kept(state, selected)
         state.boundaries = outermost(selected)
         install_autocast_off(state, contexts)
+        _mark_prepared(model)
         return None
 
     return prepare_model

@@ -7,6 +7,7 @@ engine with ``zerohooks.initialize``.
 
 from nvmeswap.__about__ import __version__
 from nvmeswap.config import NvmeSwapConfig
+from nvmeswap.folder import SwapFolderInUseError
 from nvmeswap.io import SwapIOError
 from nvmeswap.plugin import NvmeSwapPlugin
 from nvmeswap.swapfile import SwapCorruptionError, SwapSpaceError
@@ -15,6 +16,7 @@ __all__ = [
     "NvmeSwapConfig",
     "NvmeSwapPlugin",
     "SwapCorruptionError",
+    "SwapFolderInUseError",
     "SwapIOError",
     "SwapSpaceError",
     "__version__",

@@ -27,6 +27,7 @@ from typing_extensions import override
 import zerohooks
 from nvmeswap import adam, fused, io, swapper
 from nvmeswap.config import NvmeSwapConfig, rewrite_offload
+from nvmeswap.folder import FolderClaim, prepare
 from nvmeswap.swapfile import SwapCorruptionError
 from nvmeswap.swapper import SwapState
 from zerohooks import ConfigError, PluginConfig, SetupContext, StepContext, ZeroPlugin
@@ -66,6 +67,7 @@ class NvmeSwapPlugin(ZeroPlugin):
         super().__init__(config or NvmeSwapConfig())
         self.base_folder: str | None = None
         self.state: SwapState | None = None
+        self._claim: FolderClaim | None = None
         self._atexit: Callable[[], None] | None = None
 
     @property
@@ -116,7 +118,7 @@ class NvmeSwapPlugin(ZeroPlugin):
         def make_engine() -> Any:
             return io.engine(cfg.io_threads, cfg.block_size, native=native)
 
-        state = self.state = SwapState(
+        state = SwapState(
             opt,
             folder,
             chosen,
@@ -125,6 +127,10 @@ class NvmeSwapPlugin(ZeroPlugin):
             make_engine=make_engine,
             algorithm=1 if native else 2,
         )
+        # the folder is this engine's, and every rank's files fit on their disks: checked with
+        # every rank before any file is touched (all ranks fail together otherwise)
+        self._claim = prepare(folder, rank, {g.path: state.file_bytes(g) for g in state.groups.values()})
+        self.state = state
         _install(att, opt, state, fuse)
         try:
             swapper.initialise(state)
@@ -132,6 +138,7 @@ class NvmeSwapPlugin(ZeroPlugin):
             # preallocation failed part way (full disk, file-size limit): no swap file is left behind
             swapper.remove_folder(folder)
             self.state = None
+            self._release_folder()
             raise
         ref = weakref.ref(self)
 
@@ -156,9 +163,15 @@ class NvmeSwapPlugin(ZeroPlugin):
                     RuntimeWarning,
                     stacklevel=2,
                 )
+        self._release_folder()
         if self._atexit is not None:
             atexit.unregister(self._atexit)
             self._atexit = None
+
+    def _release_folder(self) -> None:
+        claim, self._claim = self._claim, None
+        if claim is not None:
+            claim.release()
 
 
 def _fused_choice(cfg: NvmeSwapConfig, opt: Any) -> bool:

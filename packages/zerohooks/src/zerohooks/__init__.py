@@ -26,6 +26,8 @@ from zerohooks.config import ENTRY_POINT_GROUP, KNOWN_PLUGINS, available_plugins
 from zerohooks.counters import CommCounters  # noqa: E402
 from zerohooks.enable import enable, enabled  # noqa: E402
 from zerohooks.errors import (  # noqa: E402
+    CheckpointDiskFullError,
+    CheckpointSaveError,
     CheckpointStateError,
     CollectiveTimeoutError,
     ConfigError,
@@ -36,7 +38,7 @@ from zerohooks.errors import (  # noqa: E402
 )
 from zerohooks.hookspec import GradientReducer, ReduceBucket, SetupContext, StepContext, SwapOwner  # noqa: E402
 from zerohooks.initialize import initialize  # noqa: E402
-from zerohooks.plugin import PluginConfig, ZeroPlugin  # noqa: E402
+from zerohooks.plugin import PluginConfig, PluginInUseError, ZeroPlugin  # noqa: E402
 from zerohooks.registry import HookRegistry, OwnerConflictError, RemovableHandle  # noqa: E402
 
 attachment = attachment_of
@@ -47,6 +49,8 @@ __all__ = [
     "KNOWN_PLUGINS",
     "SUPPORTED_DEEPSPEED",
     "Attachment",
+    "CheckpointDiskFullError",
+    "CheckpointSaveError",
     "CheckpointStateError",
     "CollectiveTimeoutError",
     "CommCounters",
@@ -56,6 +60,7 @@ __all__ = [
     "HookRegistry",
     "OwnerConflictError",
     "PluginConfig",
+    "PluginInUseError",
     "PluginNotInstalledError",
     "RankFailedError",
     "ReduceBucket",

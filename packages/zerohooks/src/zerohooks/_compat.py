@@ -18,6 +18,7 @@ __all__ = [
     "check_deepspeed_version",
     "native_bf16",
     "require_attr",
+    "require_attrs",
     "skip_deepspeed_compiles",
     "skip_deepspeed_shm_op",
 ]
@@ -60,6 +61,24 @@ def require_attr(obj: Any, name: str, what: str | None = None) -> Any:
             f"zerohooks needs {owner}.{name}, which DeepSpeed {deepspeed.__version__} does not have "
             f"(zerohooks supports DeepSpeed {SUPPORTED_DEEPSPEED})."
         ) from None
+
+
+def require_attrs(obj: Any, names: tuple[str, ...], what: str | None = None) -> None:
+    """Raise :class:`DeepSpeedInternalMissing` naming every one of ``names`` that ``obj`` lacks.
+
+    For internals a patch only reads later, while training (inside a wrapped method): checked
+    when the adapter attaches, so a DeepSpeed without them fails before the first step with the
+    names, never with an ``AttributeError`` in the middle of a backward pass."""
+    missing = [n for n in names if not hasattr(obj, n)]
+    if missing:
+        import deepspeed
+
+        owner = what or type(obj).__name__
+        listed = ", ".join(f"{owner}.{n}" for n in missing)
+        raise DeepSpeedInternalMissing(
+            f"zerohooks needs {listed}, which DeepSpeed {deepspeed.__version__} does not have "
+            f"(zerohooks supports DeepSpeed {SUPPORTED_DEEPSPEED})."
+        )
 
 
 def skip_deepspeed_shm_op() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointDiskFullError",
+    "CheckpointSaveError",
     "CheckpointStateError",
     "CollectiveTimeoutError",
     "ConfigError",
@@ -30,8 +32,23 @@ class DeepSpeedInternalMissing(RuntimeError):
 
 
 class CheckpointStateError(RuntimeError):
-    """A checkpoint's plugin state does not match the plugins of the engine loading it (state
-    saved by plugins that are not enabled now, or plugins enabled now whose state is missing)."""
+    """A checkpoint's plugin state cannot be resumed: it does not match the plugins of the engine
+    loading it (state saved by plugins that are not enabled now, or plugins enabled now whose
+    state is missing), or a rank's state file is damaged, truncated or not a zerohooks file (the
+    message names the file and the rank)."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """``save_checkpoint`` failed on at least one rank, and every rank raises it: nothing was
+    committed (``latest`` was not moved) and the message names the failing ranks and causes."""
+
+
+class CheckpointDiskFullError(OSError, CheckpointSaveError):
+    """A :class:`CheckpointSaveError` because the checkpoint's file system is full (or over quota).
+
+    An ``OSError`` with ``errno.ENOSPC`` and ``filename`` the checkpoint folder, so code that
+    handles a full disk as ``OSError`` catches it too; the message names the folder, the free
+    bytes, and the previous checkpoint, which stays intact and named by ``latest``."""
 
 
 class CollectiveTimeoutError(RuntimeError):

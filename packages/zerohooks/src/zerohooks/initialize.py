@@ -110,6 +110,10 @@ def _init_distributed(params: dict[str, Any], ds_initialize: Any) -> None:
     agree on the plugins' set-up before DeepSpeed's own collectives start."""
     if params.get("model") is None:
         return  # DeepSpeed refuses the call before touching the process group
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        # one process (or a launcher that sets no WORLD_SIZE, e.g. MPI): nobody to agree with
+        # before DeepSpeed runs; DeepSpeed sets the group up itself, after the config is judged
+        return
     from deepspeed import comm
     from deepspeed.accelerator import get_accelerator
 

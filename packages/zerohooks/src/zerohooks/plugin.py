@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+import functools
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import pydantic
 
@@ -10,7 +13,13 @@ if TYPE_CHECKING:
     from zerohooks.hookspec import SetupContext
     from zerohooks.registry import HookRegistry
 
-__all__ = ["PluginConfig", "ZeroPlugin"]
+__all__ = ["PluginConfig", "PluginInUseError", "ZeroPlugin"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class PluginInUseError(RuntimeError):
+    """A plugin object was given to a second engine while it still serves another one."""
 
 
 class PluginConfig(pydantic.BaseModel):
@@ -41,6 +50,14 @@ class ZeroPlugin:
     A plugin is found through the ``zerohooks.plugins`` entry-point group under its ``name``,
     enabled by a top-level section of that name in the DeepSpeed config, and built from that
     section validated by ``Config``.
+
+    One plugin object serves one engine at a time: it holds that engine's state (buffers,
+    counters, the hooks it registered).  :meth:`attach` binds it to the engine's registry, and
+    :meth:`close` (``zerohooks.detach(engine)``) releases it; handing a bound plugin to another
+    ``zerohooks.initialize`` raises :class:`PluginInUseError` before anything is changed.  A
+    released plugin may be given to a new engine, where it starts afresh.  The binding is kept
+    by this base class around every subclass's ``edit_deepspeed_config``, ``attach`` and
+    ``close`` (subclasses need not call ``super()``).
     """
 
     name: ClassVar[str] = ""
@@ -49,14 +66,75 @@ class ZeroPlugin:
     """The pip distribution that provides the plugin, named in error messages."""
     Config: ClassVar[type[PluginConfig]] = PluginConfig
     """Pydantic model of the config section."""
-    peers: tuple[str, ...] = ()
-    """Names of the other plugins enabled on the same engine, set by ``zerohooks.initialize``
-    before :meth:`edit_deepspeed_config` (for plugins whose behaviour depends on a sibling's
-    presence without importing it)."""
 
     def __init__(self, config: PluginConfig) -> None:
         self.config = config
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for method, wrap in (
+            ("edit_deepspeed_config", _checked),
+            ("attach", _binding),
+            ("close", _releasing),
+        ):
+            fn = cls.__dict__.get(method)
+            if callable(fn) and not getattr(fn, "_zerohooks_binding", False):
+                setattr(cls, method, wrap(fn))
+
+    # -- the binding to one engine -----------------------------------------------------------------
+    @property
+    def peers(self) -> tuple[str, ...]:
+        """Names of the other plugins enabled on the same engine, set by ``zerohooks.initialize``
+        before :meth:`edit_deepspeed_config` (for plugins whose behaviour depends on a sibling's
+        presence without importing it).  Setting it on a plugin bound to another engine raises
+        :class:`PluginInUseError`."""
+        peers: tuple[str, ...] = self.__dict__.get("_zerohooks_peers", ())
+        return peers
+
+    @peers.setter
+    def peers(self, value: tuple[str, ...]) -> None:
+        self.check_unbound()
+        self.__dict__["_zerohooks_peers"] = tuple(value)
+
+    def _bound_registry(self) -> HookRegistry | None:
+        """The registry of the engine this plugin serves now, or None.
+
+        A registry that was never sealed belongs to a ``zerohooks.initialize`` that failed before
+        DeepSpeed built its engine: it binds nothing."""
+        ref = self.__dict__.get("_zerohooks_registry")
+        registry = ref() if ref is not None else None
+        return registry if registry is not None and registry.sealed else None
+
+    @property
+    def in_use(self) -> bool:
+        """True while the plugin serves an engine (attached, not detached)."""
+        return self._bound_registry() is not None
+
+    def check_unbound(self, registry: HookRegistry | None = None) -> None:
+        """Raise :class:`PluginInUseError` if this plugin serves an engine other than the one of
+        ``registry``."""
+        bound = self._bound_registry()
+        if bound is None or bound is registry:
+            return
+        cls = type(self)
+        label = f"{self.name!r} plugin" if self.name else "plugin"
+        raise PluginInUseError(
+            f"the {label} object {cls.__module__}.{cls.__qualname__} at {id(self):#x} is already in use by "
+            "another engine (an earlier zerohooks.initialize attached it, and that engine was not "
+            "detached). One plugin object holds one engine's state, so sharing it would mix the two "
+            f"engines' training. Build a new plugin object for each engine (plugins=[{cls.__qualname__}(...)] "
+            "in each zerohooks.initialize call), or zerohooks.detach(<the other engine>) before reusing "
+            "this one"
+        )
+
+    def _bind(self, registry: HookRegistry) -> None:
+        self.check_unbound(registry)
+        self.__dict__["_zerohooks_registry"] = weakref.ref(registry)
+
+    def _release(self) -> None:
+        self.__dict__.pop("_zerohooks_registry", None)
+
+    # -- what subclasses override ------------------------------------------------------------------
     def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
         """Adjust the DeepSpeed config (already a private copy) before DeepSpeed sees it.
 
@@ -71,3 +149,46 @@ class ZeroPlugin:
 
     def close(self) -> None:
         """The engine is being detached: release resources (files, buffers, threads)."""
+
+
+def _checked(fn: F) -> F:
+    """``edit_deepspeed_config`` refused on a plugin bound to another engine."""
+
+    @functools.wraps(fn)
+    def edit_deepspeed_config(self: ZeroPlugin, ds_config: dict[str, Any]) -> None:
+        self.check_unbound()
+        fn(self, ds_config)
+
+    edit_deepspeed_config._zerohooks_binding = True  # type: ignore[attr-defined]
+    return edit_deepspeed_config  # type: ignore[return-value]
+
+
+def _binding(fn: F) -> F:
+    """``attach`` binds the plugin to the registry first (refused if bound to another engine)."""
+
+    @functools.wraps(fn)
+    def attach(self: ZeroPlugin, registry: HookRegistry, ctx: SetupContext) -> None:
+        self._bind(registry)
+        fn(self, registry, ctx)
+
+    attach._zerohooks_binding = True  # type: ignore[attr-defined]
+    return attach  # type: ignore[return-value]
+
+
+def _releasing(fn: F) -> F:
+    """``close`` releases the plugin, even when the plugin's own close fails."""
+
+    @functools.wraps(fn)
+    def close(self: ZeroPlugin) -> None:
+        try:
+            fn(self)
+        finally:
+            self._release()
+
+    close._zerohooks_binding = True  # type: ignore[attr-defined]
+    return close  # type: ignore[return-value]
+
+
+ZeroPlugin.edit_deepspeed_config = _checked(ZeroPlugin.edit_deepspeed_config)  # type: ignore[method-assign]
+ZeroPlugin.attach = _binding(ZeroPlugin.attach)  # type: ignore[method-assign]
+ZeroPlugin.close = _releasing(ZeroPlugin.close)  # type: ignore[method-assign]

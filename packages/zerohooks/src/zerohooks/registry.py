@@ -214,6 +214,11 @@ class HookRegistry:
         """Mark the registry as attached to an engine (model preparation is over)."""
         self._sealed = True
 
+    @property
+    def sealed(self) -> bool:
+        """True once the registry is attached to an engine (see :meth:`seal`)."""
+        return self._sealed
+
     def _transforms(self) -> tuple[_HookList[Any], ...]:
         return (
             self.prepare_model,

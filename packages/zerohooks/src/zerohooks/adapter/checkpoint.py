@@ -1,31 +1,65 @@
-"""Plugin state in DeepSpeed checkpoints: one file per rank beside DeepSpeed's own files.
+"""Plugin state in DeepSpeed checkpoints: one checked file per rank beside DeepSpeed's own files,
+committed all or nothing.
 
-A checkpoint and the engine loading it must agree on which plugins keep state: state saved by a
-plugin that is not enabled now, or a plugin enabled now whose state is not in the checkpoint, is
-a :class:`~zerohooks.errors.CheckpointStateError` naming both sides and the fix, never a silent
-change of the run.  ``load_module_only=True`` loads weights only, as DeepSpeed does: plugin
-state is neither read nor required.
+Saving (only when a plugin keeps state; otherwise ``save_checkpoint`` is DeepSpeed's, untouched):
+
+1. every rank creates the tag folder and the ranks agree that each could;
+2. DeepSpeed writes its files, called with ``save_latest=False`` so that it does not move
+   ``latest`` itself;
+3. every rank writes its plugin state (:mod:`zerohooks.adapter.statefile`: checksum, temporary
+   file, ``fsync``, rename, folder ``fsync``) and reads it back to check it;
+4. the ranks agree that every rank succeeded (:func:`_agree`);
+5. only then rank 0 points ``latest`` at the new tag atomically (when the caller asked for
+   ``latest``: ``save_latest=False`` never writes it), and the ranks agree once more.
+
+A failure on any rank makes every rank raise the same
+:class:`~zerohooks.errors.CheckpointSaveError` naming the failing ranks and causes (a
+:class:`~zerohooks.errors.CheckpointDiskFullError`, an ``OSError`` with ``errno.ENOSPC``, when the
+file system is full), with ``latest`` still naming the previous checkpoint.  With a DeepSpeed
+checkpoint engine that writes asynchronously (``is_decoupled()``), which moves ``latest`` itself
+once its files are committed, the plugin state is written and agreed on before DeepSpeed's save.
+
+Loading: a checkpoint and the engine loading it must agree on which plugins keep state, and every
+state file must pass its checksum; any mismatch or damage on any rank is a
+:class:`~zerohooks.errors.CheckpointStateError` on every rank naming the file and the rank, never
+a silent change of the run.  ``load_module_only=True`` and ``load_optimizer_states=False`` load
+weights only: plugin state is neither read nor required, and the plugins start fresh (one
+warning, on rank 0).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import inspect
 import os
+import shutil
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 
-from zerohooks.errors import CheckpointStateError
+from zerohooks import watchdog
+from zerohooks.adapter.statefile import FORMAT, read_latest, read_state, state_file, write_latest, write_state
+from zerohooks.errors import CheckpointDiskFullError, CheckpointSaveError, CheckpointStateError
 
 if TYPE_CHECKING:
     from zerohooks.adapter.base import Attachment
 
 __all__ = ["install_checkpoint_patches", "state_file"]
 
-FORMAT = 1
+DISK_FULL = "disk full"
+"""How a rank's failure description begins when its file system was full (read by every rank)."""
+FULL_MARGIN = 1 << 20
+"""A write error with less free space than this (bytes) on the target is taken as a full disk:
+torch's writer reports ENOSPC as ``RuntimeError: ... iostream error`` without an errno."""
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+_FULL_WORDS = ("No space left on device", "Disk quota exceeded")
+_MAX_CAUSE = 400
+"""Characters of an exception's text kept in a failure description."""
+_SHOWN = 4
+"""Failing ranks whose causes a message quotes (the rest are counted)."""
 
 
 def _rank_world() -> tuple[int, int]:
@@ -34,17 +68,92 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def state_file(ckpt_dir: str, tag: str, rank: int) -> str:
-    """Where rank ``rank`` keeps its plugin state for checkpoint ``tag``."""
-    return os.path.join(ckpt_dir, str(tag), f"zerohooks_state_rank{rank:05d}.pt")
+def _agree(ok: bool, what: str) -> dict[int, str]:
+    """Every rank's verdict on one step of a checkpoint: the failing ranks and what each said.
 
-
-def _save(att: Attachment, save_dir: str, tag: str) -> None:
+    A collective on the default group: every rank calls it at the same point with its own
+    ``ok`` and, when not ok, a description of what failed.  All ranks get the same answer."""
     rank, world = _rank_world()
-    path = state_file(save_dir, tag, rank)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if world == 1:
+        return {} if ok else {rank: what}
+    verdicts = watchdog.gather_objects((bool(ok), str(what)), "checkpoint agreement")
+    return {r: str(w) for r, (good, w) in enumerate(verdicts) if not good}
+
+
+def _free_bytes(folder: str) -> int | None:
+    """Free bytes on the file system of ``folder`` (or of its nearest existing parent)."""
+    path = os.path.abspath(folder)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        return int(shutil.disk_usage(path).free)
+    except OSError:
+        return None
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    cur: BaseException | None = e
+    while cur is not None and cur not in seen:
+        seen.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return seen
+
+
+def _is_disk_full(e: BaseException, free: int | None) -> bool:
+    """Whether ``e``, raised while writing a checkpoint, means the file system is full."""
+    for x in _chain(e):
+        if isinstance(x, OSError) and x.errno in _FULL_ERRNOS:
+            return True
+        if any(w in str(x) for w in _FULL_WORDS):
+            return True
+    return isinstance(e, (OSError, RuntimeError)) and free is not None and free < FULL_MARGIN
+
+
+def _describe(e: BaseException, step: str, folder: str) -> str:
+    """One rank's failure, as told to every rank (a full disk begins with :data:`DISK_FULL`)."""
+    text = f"{type(e).__name__}: {e}"
+    if len(text) > _MAX_CAUSE:
+        text = text[:_MAX_CAUSE] + " ..."
+    free = _free_bytes(folder)
+    if _is_disk_full(e, free):
+        return f"{DISK_FULL} ({free} bytes free) during {step}: {text}"
+    return f"{step}: {text}"
+
+
+def _summary(failed: dict[int, str]) -> str:
+    ranks = sorted(failed)
+    shown = "; ".join(f"rank {r}: {failed[r]}" for r in ranks[:_SHOWN])
+    more = f"; and {len(ranks) - _SHOWN} more ranks" if len(ranks) > _SHOWN else ""
+    return f"rank(s) {ranks} failed ({shown}{more})"
+
+
+def _save_error(failed: dict[int, str], save_dir: str, tag: str, previous: str | None) -> CheckpointSaveError:
+    """The error every rank raises when the save of ``tag`` failed somewhere."""
+    if previous is None:
+        kept = f"nothing was committed: there is no 'latest' in {save_dir!r} and none was written"
+    elif previous == tag:
+        kept = (
+            f"'latest' still names {tag!r}, but that checkpoint was being overwritten in place and may "
+            "now be damaged: save under a new tag"
+        )
+    else:
+        kept = f"nothing was committed: 'latest' still names the previous checkpoint {previous!r}, which is intact"
+    full = [r for r, w in failed.items() if w.startswith(DISK_FULL)]
+    if full:
+        msg = (
+            f"no space left on the file system of {save_dir!r} while saving checkpoint {tag!r}: "
+            f"{_summary(failed)}. {kept[0].upper()}{kept[1:]}. Free space (or save elsewhere) and save again"
+        )
+        return CheckpointDiskFullError(errno.ENOSPC, msg, save_dir)
+    return CheckpointSaveError(
+        f"checkpoint {tag!r} in {save_dir!r} was not saved: {_summary(failed)}. {kept[0].upper()}{kept[1:]}"
+    )
+
+
+def _payload(att: Attachment, rank: int, world: int) -> dict[str, Any]:
     ctx = att.step_ctx
-    payload = {
+    return {
         "format": FORMAT,
         "rank": rank,
         "world_size": world,
@@ -52,42 +161,154 @@ def _save(att: Attachment, save_dir: str, tag: str) -> None:
         # where the run is in its accumulation window (not saved by DeepSpeed)
         "position": {"micro_step": ctx.micro_step, "window_micro_step": ctx.window_micro_step},
     }
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(payload, tmp)
-    os.replace(tmp, path)  # a crash mid-save never leaves a half-written state file
 
 
-def _resolve_tag(load_dir: str, tag: str | None) -> str:
+def _write_state(att: Attachment, save_dir: str, tag: str) -> str:
+    """Write and check this rank's plugin state of checkpoint ``tag``; return the file's path."""
+    rank, world = _rank_world()
+    path = state_file(save_dir, tag, rank)
+    write_state(path, _payload(att, rank, world), rank)
+    return path
+
+
+def _discard(path: str | None) -> None:
+    """Remove this rank's state file of a save that did not commit (best effort): the
+    incomplete checkpoint then fails to load by its tag instead of loading half-saved."""
+    if path is None:
+        return
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def _rejoin() -> None:
+    """After DeepSpeed's save raised on this rank, meet the ranks where it did not in the barrier
+    DeepSpeed closes its save with, so that every rank reaches :func:`_agree` together."""
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):  # a peer is gone: the agreement reports it
+            watchdog.barrier("checkpoint save (DeepSpeed's closing barrier)")
+
+
+class _Save:
+    """One ``save_checkpoint`` call with plugin state, run as the module docstring describes."""
+
+    __slots__ = ("att", "previous", "save_dir", "tag", "written")
+
+    def __init__(self, att: Attachment, save_dir: str, tag: str) -> None:
+        self.att = att
+        self.save_dir = save_dir
+        self.tag = tag
+        self.previous = read_latest(save_dir)
+        self.written: str | None = None
+
+    def agree(self, failure: str | None) -> None:
+        """Raise the save's error on every rank unless every rank succeeded."""
+        try:
+            failed = _agree(failure is None, failure or "")
+        except Exception as e:  # a rank died or the group broke: nothing may be committed
+            _discard(self.written)
+            raise CheckpointSaveError(
+                f"checkpoint {self.tag!r} in {self.save_dir!r} was not saved: the ranks could not agree "
+                f"that every rank wrote it ({type(e).__name__}: {e}); 'latest' was not moved"
+                + (f" and still names {self.previous!r}" if self.previous is not None else "")
+            ) from e
+        if failed:
+            _discard(self.written)
+            raise _save_error(failed, self.save_dir, self.tag, self.previous)
+
+    def prepare(self) -> None:
+        """Create the tag folder on every rank before DeepSpeed starts (DeepSpeed creates the
+        checkpoint folder on rank 0 only, and a failure there would leave the ranks apart)."""
+        failure = None
+        try:
+            os.makedirs(os.path.join(self.save_dir, self.tag), exist_ok=True)
+        except OSError as e:
+            failure = _describe(e, "creating the checkpoint folder", self.save_dir)
+        self.agree(failure)
+
+    def deepspeed(
+        self, original: Callable[..., Any], bound: inspect.BoundArguments
+    ) -> tuple[Any, str | None]:
+        """DeepSpeed's own save; its result and this rank's failure (None when it succeeded)."""
+        try:
+            return original(*bound.args, **bound.kwargs), None
+        except Exception as e:
+            failure = _describe(e, "DeepSpeed's save", self.save_dir)
+            _rejoin()
+            return None, failure
+
+    def plugin_state(self) -> str | None:
+        """Write and check this rank's plugin state; this rank's failure, or None."""
+        try:
+            self.written = _write_state(self.att, self.save_dir, self.tag)
+        except Exception as e:
+            return _describe(e, "writing the zerohooks plugin state", self.save_dir)
+        return None
+
+    def commit(self) -> None:
+        """Rank 0 points ``latest`` at the new tag; every rank learns whether it did."""
+        failure = None
+        if _rank_world()[0] == 0:
+            try:
+                write_latest(self.save_dir, self.tag)
+            except Exception as e:
+                failure = _describe(e, "writing 'latest'", self.save_dir)
+        self.agree(failure)
+
+
+def _is_decoupled(engine: Any) -> bool:
+    probe = getattr(getattr(engine, "checkpoint_engine", None), "is_decoupled", None)
+    return bool(probe()) if callable(probe) else False
+
+
+def _save(att: Attachment, original: Callable[..., Any], bound: inspect.BoundArguments) -> Any:
+    engine = att.engine
+    args = bound.arguments
+    if args.get("tag") is None:
+        args["tag"] = f"global_step{engine.global_steps}"  # DeepSpeed's own default tag
+    save_dir, tag = os.fspath(args["save_dir"]), str(args["tag"])
+    save_latest = bool(args.get("save_latest", True))
+    job = _Save(att, save_dir, tag)
+    job.prepare()
+    if _is_decoupled(engine):
+        # DeepSpeed writes 'latest' itself once its asynchronous write commits: state goes first
+        job.agree(job.plugin_state())
+        return original(*bound.args, **bound.kwargs)
+    args["save_latest"] = False
+    out, failure = job.deepspeed(original, bound)
+    if failure is None:
+        failure = job.plugin_state()
+    job.agree(failure)
+    if save_latest:
+        job.commit()
+    return out
+
+
+def _resolve_tag(engine: Any, load_dir: str, tag: str | None) -> str | None:
     if tag is not None:
         return tag
-    with open(os.path.join(load_dir, "latest"), encoding="utf-8") as f:
-        return f.read().strip()
+    universal = getattr(engine, "load_universal_checkpoint", None)
+    name = "latest_universal" if callable(universal) and universal() else "latest"
+    return read_latest(load_dir, name)
 
 
-def _read(path: str) -> dict[str, Any]:
-    payload = torch.load(path, map_location="cpu", weights_only=False)
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise ValueError(f"{path!r} is not a zerohooks plugin-state file (format {FORMAT})")
-    return payload
-
-
-def _load(att: Attachment, load_dir: str, tag: str | None) -> None:
-    tag = _resolve_tag(load_dir, tag)
+def _check(att: Attachment, load_dir: str, tag: str) -> dict[str, Any] | None:
+    """This rank's checked payload for the plugins of this run (None when neither side has
+    state); :class:`CheckpointStateError` for a mismatch or a damaged file."""
     rank, world = _rank_world()
     path = state_file(load_dir, tag, rank)
     names = sorted(att.registry.states)
     where = os.path.join(load_dir, tag)
     if not os.path.exists(path):
         if not names:
-            return  # neither side has plugin state
+            return None  # neither side has plugin state
         raise CheckpointStateError(
             f"checkpoint {where!r} has no zerohooks plugin state for rank {rank} ({path!r}), but the plugins "
             f"{names} of this run keep state. It was saved without them (or without zerohooks routing "
-            "deepspeed.initialize: call zerohooks.enable() before the framework builds the engine). "
-            "Resume with the same plugin sections it was saved with, or load weights only with "
-            "load_checkpoint(..., load_module_only=True)"
+            "deepspeed.initialize: call zerohooks.enable() before the framework builds the engine), or its "
+            "save did not complete. Resume with the same plugin sections it was saved with, from a complete "
+            "checkpoint, or load weights only with load_checkpoint(..., load_module_only=True)"
         )
-    payload = _read(path)
+    payload = read_state(path, rank)
     saved = sorted(payload["states"])
     extra = [n for n in saved if n not in names]
     if extra:
@@ -104,58 +325,94 @@ def _load(att: Attachment, load_dir: str, tag: str | None) -> None:
             "resume with the plugin sections it was saved with, or load weights only with "
             "load_checkpoint(..., load_module_only=True)"
         )
-    if payload["world_size"] != world:
-        raise ValueError(
-            f"{path!r} was saved with {payload['world_size']} ranks but this run has {world}; "
-            "plugin state is rank-local and cannot be resharded"
+    if payload["world_size"] != world or payload.get("rank", rank) != rank:
+        raise CheckpointStateError(
+            f"{path!r} was saved by rank {payload.get('rank')} of {payload['world_size']} but is read by rank "
+            f"{rank} of {world}; plugin state is rank-local and cannot be resharded"
         )
+    return payload
+
+
+def _apply(att: Attachment, payload: dict[str, Any]) -> None:
     position = payload.get("position")
     if isinstance(position, dict):
         att.step_ctx.restore(position["micro_step"], position["window_micro_step"])
-    for name in names:
+    for name in sorted(att.registry.states):
         att.registry.states[name].load_state_dict(payload["states"][name])
 
 
+def _load(att: Attachment, load_dir: str, tag: str) -> None:
+    if not att.registry.states:
+        # no plugin keeps state: each rank only refuses state it would drop (no collective, as the
+        # ranks of a half-saved checkpoint may disagree on whether a file exists)
+        _check(att, load_dir, tag)
+        return
+    payload: dict[str, Any] | None = None
+    problem = None
+    try:
+        payload = _check(att, load_dir, tag)
+    except CheckpointStateError as e:
+        problem = str(e)
+    except Exception as e:  # a payload of the wrong shape: damage all the same
+        problem = f"{type(e).__name__} while reading the plugin state: {e}"
+    failed = _agree(problem is None, problem or "")
+    if failed:
+        where = os.path.join(load_dir, tag)
+        raise CheckpointStateError(f"checkpoint {where!r} cannot be resumed: {_summary(failed)}")
+    if payload is not None:
+        _apply(att, payload)
+
+
+def _warn_weights_only(att: Attachment, how: str) -> None:
+    if att.registry.states and _rank_world()[0] == 0:
+        warnings.warn(
+            f"load_checkpoint({how}): weights only, without the zerohooks plugin state; the plugins "
+            f"{sorted(att.registry.states)} start with fresh state",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 def install_checkpoint_patches(att: Attachment) -> None:
+    """Wrap ``engine.save_checkpoint`` and ``engine.load_checkpoint`` of ``att``'s engine."""
     engine = att.engine
 
     def make_save(original: Callable[..., Any]) -> Callable[..., Any]:
-        def save_checkpoint(save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
-            if tag is None:
-                tag = f"global_step{engine.global_steps}"  # DeepSpeed's own default tag
-            out = original(save_dir, tag, *args, **kwargs)
-            if att.registry.states:
-                _save(att, save_dir, str(tag))
-                if dist.is_available() and dist.is_initialized():
-                    dist.barrier()
-            return out
+        signature = inspect.signature(original)
+
+        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            if not att.registry.states:
+                return original(*args, **kwargs)  # DeepSpeed's save, untouched
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError:
+                return original(*args, **kwargs)  # DeepSpeed reports the bad call itself
+            return _save(att, original, bound)
 
         return save_checkpoint
 
     def make_load(original: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(original)
 
-        def load_checkpoint(load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
             try:
-                module_only = bool(
-                    signature.bind(load_dir, tag, *args, **kwargs).arguments.get("load_module_only")
-                )
+                bound = signature.bind(*args, **kwargs)
             except TypeError:
-                module_only = False  # DeepSpeed reports the bad call itself
-            out = original(load_dir, tag, *args, **kwargs)
+                return original(*args, **kwargs)  # DeepSpeed reports the bad call itself
+            module_only = bool(bound.arguments.get("load_module_only", False))
+            optimizer = bool(bound.arguments.get("load_optimizer_states", True))
+            out = original(*args, **kwargs)
             load_path = out[0] if isinstance(out, tuple) else out
             if load_path is None:
                 return out
-            if module_only:
-                if att.registry.states and engine.global_rank == 0:
-                    warnings.warn(
-                        f"load_checkpoint(load_module_only=True): weights only; the plugins "
-                        f"{sorted(att.registry.states)} start with fresh state",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
+            if module_only or not optimizer:
+                how = "load_module_only=True" if module_only else "load_optimizer_states=False"
+                _warn_weights_only(att, how)
                 return out
-            _load(att, load_dir, None if tag is None else str(tag))
+            load_dir, tag = os.fspath(bound.arguments["load_dir"]), bound.arguments.get("tag")
+            resolved = _resolve_tag(engine, load_dir, None if tag is None else str(tag))
+            if resolved is not None:
+                _load(att, load_dir, resolved)
             return out
 
         return load_checkpoint

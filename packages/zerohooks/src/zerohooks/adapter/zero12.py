@@ -8,16 +8,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerohooks._compat import require_attr
+from zerohooks._compat import require_attr, require_attrs
 from zerohooks.adapter.base import Attachment
 from zerohooks.errors import ConfigError
 
 _OPT = "DeepSpeedZeroOptimizer"
+_NEEDS = ("gradient_predivide_factor", "dp_process_group", "flatten", "gradient_average")
+"""Read by the collective wrappers below, most of them only while training: checked when they
+are installed."""
 
 
 def _ensure_buckets(att: Attachment, opt: Any) -> None:
     """Create IPG buckets for every dtype the ``reduce_dtype`` hooks may choose."""
     buckets = require_attr(opt, "ipg_buckets", _OPT)
+    require_attrs(opt, ("communication_data_type", "bit16_groups"), _OPT)
     default = opt.communication_data_type
     bucket_cls = type(next(iter(buckets.values())))
     for group in opt.bit16_groups:
@@ -31,6 +35,7 @@ def install(att: Attachment) -> None:
     opt = att.engine.optimizer
     reg = att.registry
     counters = att.counters
+    require_attrs(opt, _NEEDS, _OPT)
     att.check_default_averaging(float(opt.gradient_predivide_factor))
 
     if reg.micro_step_grad.frozen:
@@ -58,7 +63,7 @@ def install(att: Attachment) -> None:
         att.patch(opt, "get_gradient_for_reduction", make_tensor, _OPT)
 
     owner = reg.reducer.owner is not None
-    if owner and opt.sequence_parallel_size > 1:
+    if owner and require_attr(opt, "sequence_parallel_size", _OPT) > 1:
         raise ConfigError(
             f"{reg.reducer.name!r} owns the gradient collective, which does not support sequence parallelism"
         )

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerohooks._compat import require_attr
+from zerohooks._compat import require_attr, require_attrs
 from zerohooks.adapter.base import Attachment
 from zerohooks.errors import ConfigError
 from zerohooks.hookspec import ReduceBucket
@@ -17,6 +17,19 @@ from zerohooks.registry import RemovableHandle
 
 _OPT = "DeepSpeedZeroOptimizer_Stage3"
 _MANGLE = "_DeepSpeedZeroOptimizer_Stage3__"
+_BUCKET_NEEDS = ("communication_data_type", "contiguous_gradients", "fp16_groups", "reduce_bucket_size")
+"""Read by :func:`_ensure_buckets`."""
+_COLLECTIVE_NEEDS = (
+    "contiguous_gradients",
+    "reduce_scatter",
+    "gradient_predivide_factor",
+    "dp_process_group",
+    "_get_param_partition_group",
+    "_gradient_averaging_world_size",
+    "gradient_accumulation_dtype",
+)
+"""Read by the reduce-scatter wrappers of :func:`_install_collectives`, most of them only while
+training: checked when they are installed."""
 
 
 def _ensure_buckets(att: Attachment, opt: Any) -> None:
@@ -29,6 +42,7 @@ def _ensure_buckets(att: Attachment, opt: Any) -> None:
     enough.  Without this a model whose parameters are split between two dtypes (autocastzero,
     mixedlayers) would pay for two full-size buffers, most of one of them never used."""
     buckets = require_attr(opt, "ipg_buckets", _OPT)
+    require_attrs(opt, _BUCKET_NEEDS, _OPT)
     default = opt.communication_data_type
     bucket_cls = type(next(iter(buckets.values())))
     device = next(iter(buckets.values())).buffer.device if opt.contiguous_gradients else None
@@ -78,13 +92,18 @@ def _install_collectives(att: Attachment, opt: Any) -> None:
     counters = att.counters
     owner = reg.reducer.owner is not None
     hooked = owner or bool(reg.reduce_tensor.frozen)
+    require_attrs(opt, _COLLECTIVE_NEEDS, _OPT)
     if hooked and opt.contiguous_gradients and not opt.reduce_scatter:
         raise ConfigError(
             "zero_optimization.reduce_scatter=false is not supported with plugins that own or replace the "
             "reduced gradient tensor; remove reduce_scatter (default true)"
         )
     att.check_default_averaging(float(opt.gradient_predivide_factor))
-    from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced
+    from deepspeed.runtime.comm import coalesced_collectives
+
+    reduce_scatter_coalesced = require_attr(
+        coalesced_collectives, "reduce_scatter_coalesced", "deepspeed.runtime.comm.coalesced_collectives"
+    )
 
     def make_scatter(original: Callable[..., Any]) -> Callable[..., Any]:
         def avg_scatter_grads(params: list[Any], communication_data_type: torch.dtype) -> Any:
