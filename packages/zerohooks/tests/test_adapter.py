@@ -145,6 +145,8 @@ def test_conflicting_precision_sections() -> None:
         setup_context({"bf16": {"enabled": True}, "fp16": {"enabled": True}})
     with pytest.raises(ConfigError, match="stage must be 0, 1, 2 or 3"):
         setup_context({"zero_optimization": {"stage": 4}})
+    with pytest.raises(ConfigError, match=r"zero_optimization\.stage must be 0, 1, 2 or 3, not 'three'"):
+        setup_context({"zero_optimization": {"stage": "three"}})
 
 
 def _fails_on_rank1() -> int:
