@@ -23,6 +23,9 @@ command -v c++ >/dev/null 2>&1 || apt_packages+=(g++) # torch/DeepSpeed JIT-buil
 if [[ -d packages/nvmeswap ]] && ! dpkg -s libaio-dev >/dev/null 2>&1; then
     apt_packages+=(libaio-dev) # DeepSpeed's own async_io op: the oracle of the NVMe swap tests (nvmeswap does not need it)
 fi
+if [[ $(id -u) == 0 ]] && ! { command -v ip && command -v tc; } >/dev/null 2>&1; then
+    apt_packages+=(iproute2) # ip netns, veth, tc: the emulated nodes of the two-node tests (skipped without)
+fi
 if ((${#apt_packages[@]})); then
     log "apt-get install ${apt_packages[*]}"
     export DEBIAN_FRONTEND=noninteractive
