@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mixedlayers import MixedLayersConfig, MixedLayersPlugin, MixedState, select_modules, split_param_groups
-from mixedlayers.casting import install_boundary_hooks
+from mixedlayers.casting import explain_dtype_errors, install_boundary_hooks
 from mixedlayers.config import add_sharers, check_deepspeed_config, outermost
 from mixedlayers.state import keep_fp32, restore_fp32, shadow_module_to
 from zerohooks import ConfigError
@@ -266,6 +266,32 @@ def test_buffers_kept_and_inputs_left_alone_when_asked() -> None:
     assert net.blocks[0].scale.dtype == torch.float32 and net.blocks[1].scale.dtype == torch.bfloat16
     with pytest.raises(RuntimeError):  # bf16 input reaches the fp32 Linear unconverted
         net(torch.randn(2, 4, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    ("section", "named"),
+    [
+        ({"fp32_modules": ["blocks.0"], "cast_inputs": False}, "cast_inputs: false"),
+        ({"fp32_modules": ["embed"], "output_dtype": "fp32"}, 'output_dtype: "fp32"'),
+    ],
+)
+def test_dtype_error_in_forward_names_the_setting(section: dict[str, Any], named: str) -> None:
+    net = Net().to(torch.bfloat16)
+    state = _prepared(net, section)
+    explain_dtype_errors(state, net)
+    with pytest.raises(RuntimeError) as info:
+        net(torch.randn(2, 4, dtype=torch.bfloat16))
+    notes = getattr(info.value, "__notes__", [])
+    assert len(notes) == 1 and named in notes[0] and repr(section["fp32_modules"][0]) in notes[0], notes
+
+
+def test_default_settings_add_no_note() -> None:
+    net = Net().to(torch.bfloat16)
+    state = _prepared(net, {"fp32_modules": ["blocks.0"]})
+    explain_dtype_errors(state, net)
+    with pytest.raises(RuntimeError) as info:
+        net(torch.randn(2, 5, dtype=torch.bfloat16))  # a shape error, not ours to explain
+    assert not getattr(info.value, "__notes__", [])
 
 
 def test_tied_weight_owners_are_kept_together() -> None:

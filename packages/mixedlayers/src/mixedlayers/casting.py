@@ -7,6 +7,7 @@ other way by itself: the fp32 module sees fp32 gradients and the 16-bit model 16
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ from torch import nn
 
 from mixedlayers.state import MixedState
 
-__all__ = ["cast_floats", "install_boundary_hooks", "surrounding_dtype"]
+__all__ = ["cast_floats", "explain_dtype_errors", "install_boundary_hooks", "surrounding_dtype"]
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -80,3 +81,34 @@ def install_boundary_hooks(state: MixedState) -> None:
     for module in state.boundaries.values():
         state.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         state.handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
+
+
+_MISMATCH = ("dtype", "expected scalar type", "must have the same", "expected both")
+
+
+def explain_dtype_errors(state: MixedState, model: nn.Module) -> None:
+    """A dtype error raised by the model's forward gets a note naming the settings that cause
+    it, when ``cast_inputs: false`` or ``output_dtype: "fp32"`` is set: the first hands 16-bit
+    inputs to fp32 modules, the second fp32 outputs to the 16-bit layers after them."""
+    risky = []
+    if not state.cast_inputs:
+        risky.append("cast_inputs: false (the kept modules receive 16-bit inputs as they are)")
+    if state.output_dtype == "fp32":
+        risky.append('output_dtype: "fp32" (the layers after a kept module receive its fp32 outputs)')
+    if not risky:
+        return
+    kept = ", ".join(repr(name) for name in state.boundaries) or "none"
+
+    def note(module: nn.Module, args: Any, output: Any) -> None:
+        error = sys.exc_info()[1]  # set only when forward raised (always_call runs this hook then)
+        if not isinstance(error, (RuntimeError, TypeError)) or not any(k in str(error) for k in _MISMATCH):
+            return
+        add = getattr(error, "add_note", None)  # Python >= 3.11
+        if add is not None and not any("mixedlayers" in n for n in getattr(error, "__notes__", ())):
+            add(
+                f"mixedlayers keeps {kept} in fp32 with {'; '.join(risky)}. A dtype mismatch in "
+                "forward usually comes from these settings: leave cast_inputs true and output_dtype "
+                '"input" (the defaults), or keep the modules around the failing layer in fp32 too.'
+            )
+
+    state.handles.append(model.register_forward_hook(note, always_call=True))

@@ -22,7 +22,7 @@ from torch import nn
 from typing_extensions import override
 
 import zerohooks
-from mixedlayers.casting import install_boundary_hooks
+from mixedlayers.casting import explain_dtype_errors, install_boundary_hooks
 from mixedlayers.config import (
     MixedLayersConfig,
     add_sharers,
@@ -197,6 +197,7 @@ def _prepare_model(cfg: MixedLayersConfig, state: MixedState) -> PrepareModelHoo
         keep_fp32(state, model, selected, cfg.keep_buffers)
         state.boundaries = outermost(selected)
         install_boundary_hooks(state)
+        explain_dtype_errors(state, model)
         state.handles.append(shadow_module_to(state, model, params=ctx.zero_stage != 3))
         _mark_prepared(model)
         return None
