@@ -49,7 +49,11 @@ sys.path.insert(0, str(ROOT / "examples"))  # gpt.py, data.py (imported, not edi
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 FORMAT = 1
-RUNS = ("deepspeed-bf16", "loco-flat", "loco-two-level")
+RUNS = ("deepspeed-bf16", "loco-flat", "loco-two-level", "deepspeed-bf16-hpz", "loco-two-level-hpz")
+"""Every run; the ``-hpz`` ones (ZeRO 3 only: ZeRO++ hierarchical partitioning, a secondary copy
+of the parameters per node, so forward and backward all-gathers stay inside the node) run when
+``--runs`` names them."""
+DEFAULT_RUNS = RUNS[:3]
 NODES, LOCAL = 2, 2
 
 
@@ -69,8 +73,10 @@ def _run_config(name: str, stage: int) -> dict[str, Any]:
     cfg["communication_data_type"] = "bf16"
     if name == "loco-flat":
         cfg["loco"] = {"hierarchy": "flat"}
-    elif name == "loco-two-level":
+    elif name.startswith("loco-two-level"):
         cfg["loco"] = {"hierarchy": "detect"}
+    if name.endswith("-hpz"):
+        cfg["zero_optimization"]["zero_hpz_partition_size"] = LOCAL
     return cfg
 
 
@@ -267,7 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {list(RUNS)}")
+    p.add_argument(
+        "--runs",
+        default=",".join(DEFAULT_RUNS),
+        help=f"comma-separated subset of {list(RUNS)} (the -hpz ones need --stage 3)",
+    )
     p.add_argument("--timeout", type=float, default=1200, help="seconds per link rate")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -276,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args)
     if set(args.runs.split(",")) - set(RUNS):
         p.error(f"--runs takes a comma-separated subset of {list(RUNS)}")
+    if args.stage != 3 and "-hpz" in args.runs:
+        p.error("the -hpz runs need --stage 3 (hpZ partitions ZeRO 3 parameters)")
     from zerohooks.testing.nodes import available
 
     reason = available(rate=True)
