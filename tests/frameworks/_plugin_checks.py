@@ -71,8 +71,9 @@ def check_nvmeswap(rank: dict[str, Any]) -> None:
     check_attached(rank, "nvmeswap")
     part = rank["partition_numel"]
     assert part * WORLD >= rank["numel"]
-    files = rank["files"][-1]
-    assert files, "no swap file under the nvme_path"
+    # the swap files (each rank's folder also holds owner.lock, its claim on the folder)
+    files = {path: size for path, size in rank["files"][-1].items() if path.endswith(".swp")}
+    assert files, f"no swap file under the nvme_path: {sorted(rank['files'][-1])}"
     # fp32 master + two Adam moments of this rank's partition, 4 KiB-aligned, plus a header page
     for size in files.values():
         assert 3 * FP32 * part <= size <= 3 * FP32 * part + 4 * 4096, (size, part)
