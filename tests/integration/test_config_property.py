@@ -131,25 +131,23 @@ TABLES: dict[str, dict[str, dict[str, list[Any]]]] = {
         "fp32_names": {V: [[], ["fc2"], ["norm"]], R: [["zz"]], L: ["fc2"], X: [5, [None], None]},
         "low_precision_reduce": BOOL,
         "low_precision_gather": BOOL,
-        # An infinite loss_scale / min_loss_scale and initial_scale_power 64 were accepted by
-        # autocastzero 0.x (pydantic's ge/gt let inf through) and are refused by the range checks
-        # being added (scales from 2**-24 to 2**32): L until that lands, then X.
+        # scales that cannot train are refused (2**-24 to 2**32, or 0 for dynamic scaling)
         "loss_scale": {
             V: [0, 0.0, 128.0, 1024],
-            L: ["128", True, INF],
-            X: [-1, -0.5, NAN, "big", None, -INF],
+            L: ["128", True],
+            X: [-1, -0.5, NAN, "big", None, -INF, INF, 1e300, 2.0**40],
         },
         "initial_scale_power": {
             V: [0, 8, 16],
-            L: [16.0, "16", True, 64],
-            X: [-1, 65, 1.5, NAN, INF, "x", None],
+            L: [16.0, "16", True],
+            X: [-1, 64, 65, 1.5, NAN, INF, "x", None],
         },
         "loss_scale_window": {V: [1, 2, 1000], L: ["10", 10.0], X: [0, -5, 2.5, NAN, None, "w"]},
         "hysteresis": {V: [1, 2], L: ["2", True], X: [0, -1, 1.5, None]},
         "min_loss_scale": {
             V: [1.0, 0.5, 1, 2**-10],
-            L: ["1", True, INF],
-            X: [0, 0.0, -1.0, NAN, -INF, None, "min"],
+            L: ["1", True],
+            X: [0, 0.0, -1.0, NAN, -INF, INF, None, "min"],
         },
     },
     "mixedlayers": {
