@@ -84,6 +84,31 @@ def test_alive_rank_that_does_not_join_is_named() -> None:
     assert LIMIT <= waited < LIMIT + 5, waited
 
 
+def _new_group_then_late_joiner() -> tuple[str, float, bool]:
+    """The process group is destroyed and made anew (a new store) between two uses."""
+    from zerohooks.testing import _free_port
+
+    watchdog.set_collective_timeout(LIMIT)
+    port = watchdog.gather_objects(_free_port() if dist.get_rank() == 0 else None, "port")[0]
+    old = watchdog._heart
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo")
+    message, waited = _late_joiner()
+    heart = watchdog._heart
+    fresh = (
+        heart is not None and heart is not old and heart.source is dist.distributed_c10d._get_default_store()
+    )
+    return message, waited, fresh and old is not None and old.stopped.is_set()
+
+
+@pytest.mark.multirank
+def test_a_new_process_group_gets_a_new_heartbeat() -> None:
+    (message, _, fresh), (_, _, fresh1) = run_distributed(_new_group_then_late_joiner, 2, timeout=120)
+    assert fresh and fresh1  # the old beat stopped; the new one writes to the new group's store
+    assert "Rank 1 is alive but has not joined" in message and "Not responding" not in message, message
+
+
 def _frozen_peer() -> tuple[str, float]:
     """Rank 1 stops itself (SIGSTOP, as a frozen or swapped-out process); rank 0 must name it."""
     watchdog.set_collective_timeout(LIMIT)

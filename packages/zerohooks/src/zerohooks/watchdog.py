@@ -122,12 +122,15 @@ def set_collective_timeout(seconds: float | None) -> _TimeoutHandle:
 class _Heartbeat:
     """This process's heartbeat in the rendezvous store (one per process, a daemon thread)."""
 
-    __slots__ = ("count", "interval", "lock", "rank", "seq", "store", "thread", "where")
+    __slots__ = ("count", "interval", "lock", "rank", "seq", "source", "stopped", "store", "thread", "where")
 
-    def __init__(self, rank: int, store: Any, interval: float) -> None:
+    def __init__(self, rank: int, store: Any, interval: float, source: Any) -> None:
         self.rank = rank
         self.store = store
         self.interval = interval
+        self.source = source
+        """The process group's default store this heartbeat belongs to (a new group: a new beat)."""
+        self.stopped = threading.Event()
         self.where = "start-up"
         self.seq = 0
         self.count = 0
@@ -145,9 +148,11 @@ class _Heartbeat:
             self.store.set(f"{_KEY}{self.rank}", value)
 
     def _beat(self) -> None:
-        while True:
-            time.sleep(self.interval)
+        while not self.stopped.wait(self.interval):
             self._publish()
+
+    def stop(self) -> None:
+        self.stopped.set()
 
     def enter(self, what: str) -> int:
         with self.lock:
@@ -164,12 +169,8 @@ _heart: _Heartbeat | None = None
 _heart_lock = threading.Lock()
 
 
-def _store() -> Any:
-    """A client of the default rendezvous store, ``None`` if there is none we can reach."""
-    try:
-        store = dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
+def _store(store: Any) -> Any:
+    """A client of the rendezvous store ``store``, ``None`` if there is none we can reach."""
     base = store
     while hasattr(base, "underlying_store"):
         base = base.underlying_store
@@ -187,12 +188,23 @@ def _store() -> Any:
 
 def _heartbeat(timeout: float) -> _Heartbeat | None:
     global _heart
+    try:
+        source = dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+    interval = min(5.0, max(0.2, timeout / 10))
+    rank = dist.get_rank()
     with _heart_lock:
+        if _heart is not None and (
+            _heart.source is not source or _heart.interval != interval or _heart.rank != rank
+        ):
+            _heart.stop()  # the process group was made anew (or the limit changed): beat afresh
+            _heart = None
         if _heart is None:
-            store = _store()
+            store = _store(source)
             if store is None:
                 return None
-            _heart = _Heartbeat(dist.get_rank(), store, interval=min(5.0, max(0.2, timeout / 10)))
+            _heart = _Heartbeat(rank, store, interval, source)
         return _heart
 
 
