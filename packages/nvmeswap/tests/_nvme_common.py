@@ -329,6 +329,9 @@ def scenario_shared_folder(tmp: str) -> dict[str, Any]:
     second = _build(config(path, nvmeswap={}))
     again = train(second, 2)
     zerohooks.detach(second)
+    import torch.distributed as dist
+
+    dist.barrier()  # the folder holds every rank's files: look once every rank has detached
     return {"error": error, "losses": losses, "again": again, "left": swap_files(path)}
 
 

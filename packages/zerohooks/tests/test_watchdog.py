@@ -58,6 +58,28 @@ def test_bounded_collectives_give_what_plain_ones_give() -> None:
     watchdog.barrier("test barrier")
 
 
+def _diverged() -> tuple[str, str, list[str]]:
+    """Rank 1 failed on its own and went to the agreement; rank 0 went on to another gather."""
+    watchdog.set_collective_timeout(30)
+    try:
+        if dist.get_rank() == 0:
+            watchdog.gather_objects({"need": 123}, "disk-space exchange")
+        else:
+            watchdog.agree(OSError(28, "no space on rank 1"), "plugin set-up")
+    except Exception as e:
+        return type(e).__name__, str(e), list(getattr(e, "__notes__", []))
+    return "none", "", []
+
+
+@pytest.mark.multirank
+def test_ranks_at_different_gathers_fail_naming_where_each_is() -> None:
+    (kind0, text0, _), (kind1, text1, notes1) = run_distributed(_diverged, 2, timeout=120)
+    assert kind0 == "RankFailedError", (kind0, text0)
+    assert "rank 0: disk-space exchange" in text0 and "rank 1: agreement on plugin set-up" in text0
+    assert kind1 == "OSError" and "no space on rank 1" in text1  # the failing rank keeps its own error
+    assert any("different zerohooks steps" in n for n in notes1), notes1
+
+
 def _late_joiner() -> tuple[str, float]:
     """Rank 1 is alive but stays out of the collective for longer than the limit."""
     watchdog.set_collective_timeout(LIMIT)

@@ -329,12 +329,25 @@ def barrier(what: str, group: Any = None) -> None:
     run(what, group, lambda: dist.barrier(group=group, async_op=True))
 
 
+def _device(group: Any) -> torch.device | None:
+    """Where the gather's tensors live: NCCL gathers device tensors only (this rank's GPU, by
+    ``LOCAL_RANK`` as DeepSpeed picks it, since the engine may not have set the device yet);
+    gloo and the rest gather CPU tensors."""
+    if dist.get_backend(group) != "nccl":
+        return None
+    local = os.environ.get("LOCAL_RANK")
+    return torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
+
+
 def gather_objects(obj: Any, what: str, group: Any = None, *, patient: bool = False) -> list[Any]:
-    """Every rank's picklable ``obj``, in group rank order, gathered in bounded time."""
+    """Every rank's picklable ``obj``, in group rank order, gathered in bounded time.
+
+    Each rank's ``what`` travels with its object: ranks that reached two different gathers (one
+    failed early, another went on) get :class:`~zerohooks.errors.RankFailedError` naming where
+    each rank is, instead of one rank's object read as another's."""
     world = dist.get_world_size(group)
-    # NCCL gathers device tensors only; gloo (and the rest) CPU ones
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    device = _device(group)
+    data = torch.frombuffer(bytearray(pickle.dumps((what, obj))), dtype=torch.uint8)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
     mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     run(
@@ -349,8 +362,24 @@ def gather_objects(obj: Any, what: str, group: Any = None, *, patient: bool = Fa
     padded = padded.to(device) if device is not None else padded
     parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
     run(what, group, lambda: dist.all_gather(parts, padded, group=group, async_op=True), patient=patient)
-    parts = [p.cpu() for p in parts]
-    return [pickle.loads(p[: int(s.item())].numpy().tobytes()) for p, s in zip(parts, sizes, strict=True)]
+    got = [
+        pickle.loads(p.cpu()[: int(s.item())].numpy().tobytes()) for p, s in zip(parts, sizes, strict=True)
+    ]
+    labels = [label for label, _ in got]
+    if any(label != what for label in labels):
+        ranks = _group_ranks(group)
+        where = "; ".join(f"rank {r}: {label}" for r, label in zip(ranks, labels, strict=True))
+        raise RankFailedError(
+            f"rank {dist.get_rank()}: the ranks reached different zerohooks steps ({where}). A rank that "
+            "failed on its own is the usual cause: look for its error in its log"
+        )
+    return [value for _, value in got]
+
+
+def _note(error: BaseException, text: str) -> None:
+    add = getattr(error, "add_note", None)  # Python >= 3.11
+    if add is not None:
+        add(text)
 
 
 def agree(error: BaseException | None, what: str, group: Any = None) -> None:
@@ -367,13 +396,17 @@ def agree(error: BaseException | None, what: str, group: Any = None) -> None:
         return
     summary = None if error is None else f"{type(error).__name__}: {error}"
     ranks = _group_ranks(group)
-    reports = gather_objects(summary, f"agreement on {what}", group, patient=True)
+    try:
+        reports = gather_objects(summary, f"agreement on {what}", group, patient=True)
+    except RankFailedError as diverged:
+        if error is None:
+            raise
+        _note(error, f"[zerohooks] {diverged}")
+        raise error from None  # this rank's own failure first; the divergence is its note
     failed = [(r, s) for r, s in zip(ranks, reports, strict=True) if s is not None]
     if error is not None:
         if len(failed) > 1:
-            note = getattr(error, "add_note", None)  # Python >= 3.11
-            if note is not None:
-                note(f"[zerohooks] {what} failed on ranks {[r for r, _ in failed]}")
+            _note(error, f"[zerohooks] {what} failed on ranks {[r for r, _ in failed]}")
         raise error
     if failed:
         listing = "; ".join(f"rank {r}: {s}" for r, s in failed)

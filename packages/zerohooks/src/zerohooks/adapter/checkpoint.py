@@ -245,14 +245,28 @@ class _Save:
         return None
 
     def commit(self) -> None:
-        """Rank 0 points ``latest`` at the new tag; every rank learns whether it did."""
+        """Rank 0 points ``latest`` at the new tag; every rank learns whether it did.
+
+        Nothing is discarded here: every rank's files were verified before, and ``latest`` may
+        already name them (rank 0 writes it before the ranks agree), so removing them could leave
+        ``latest`` naming a checkpoint that cannot be loaded."""
         failure = None
         if _rank_world()[0] == 0:
             try:
                 write_latest(self.save_dir, self.tag)
             except Exception as e:
                 failure = _describe(e, "writing 'latest'", self.save_dir)
-        self.agree(failure)
+        try:
+            failed = _agree(failure is None, failure or "")
+        except Exception as e:
+            now = read_latest(self.save_dir)
+            raise CheckpointSaveError(
+                f"checkpoint {self.tag!r} in {self.save_dir!r}: every rank wrote and verified its files, "
+                f"but the ranks could not agree on moving 'latest' ({type(e).__name__}: {e}); 'latest' "
+                f"names {now!r} now, and both that checkpoint and {self.previous!r} are complete"
+            ) from e
+        if failed:  # only rank 0 writes 'latest': it failed, so 'latest' was not moved
+            raise _save_error(failed, self.save_dir, self.tag, self.previous)
 
 
 def _is_decoupled(engine: Any) -> bool:
