@@ -102,7 +102,8 @@ def _names_plugin(ds_config: dict[str, Any]) -> bool:
     """Whether the config has a section named exactly after a plugin (installed or not)."""
     from zerohooks.config import KNOWN_PLUGINS, _entry_points
 
-    return any(key in KNOWN_PLUGINS for key in ds_config) or any(key in _entry_points() for key in ds_config)
+    keys = set(ds_config)
+    return bool(keys & KNOWN_PLUGINS.keys()) or bool(keys & _entry_points().keys())  # entry points read once
 
 
 def _init_distributed(params: dict[str, Any], ds_initialize: Any) -> None:
