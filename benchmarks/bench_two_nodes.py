@@ -146,6 +146,7 @@ def _crossing(every: list[dict[str, Any]], step: int) -> float:
         total += s.get("wire:all_to_all_inter", 0)
         if "wire:all_to_all_inter" not in s:
             total += (NODES - 1) * LOCAL / (world - 1) * s.get("wire:all_to_all", 0)
+        total += s.get("wire:all_gather_inter", 0)  # two-level: every byte of it crosses
         total += ring * (s.get("wire:all_gather", 0) + s.get("wire:exact", 0))
     return total
 

@@ -170,6 +170,7 @@ def _crossing(run: dict[str, Any], step: int) -> float:
         total += s.get("wire:all_to_all_inter", 0)
         if "wire:all_to_all_inter" not in s:
             total += (NODES - 1) * LOCAL / (WORLD - 1) * s.get("wire:all_to_all", 0)
+        total += s.get("wire:all_gather_inter", 0)  # two-level: every byte of it crosses
         total += ring * (s.get("wire:all_gather", 0) + s.get("wire:exact", 0))
     return total
 
@@ -191,12 +192,15 @@ def test_two_level_sends_one_over_l_of_flat_between_nodes(runs: dict[str, Any]) 
         s2, s1 = two["loco2"]["stats"][r][0], two["loco1"]["stats"][r][0]
         flat_inter = (NODES - 1) * LOCAL / (WORLD - 1) * s1["wire:all_to_all"]
         assert s2["wire:all_to_all_inter"] == pytest.approx(flat_inter / LOCAL, rel=1e-3)
-        assert s2["wire:all_gather"] == s1["wire:all_gather"]
-    # on the link: what is left after the all-gather (the same in both) is the all-to-all
+        # the all-gather of the reduced chunks: one copy to the other node, against the ring's
+        assert s2["wire:all_gather_inter"] == pytest.approx((NODES - 1) / (WORLD - 1) * s1["wire:all_gather"])
+    # on the link: what is left after the all-gather is the all-to-all
     empty = two["calibration"]["empty"]["link"]
-    gather = NODES / WORLD * sum(s[0]["wire:all_gather"] for s in two["loco2"]["stats"])
-    a2a_two = sum(two["loco2"]["link_bytes"]) / STEPS - empty - gather
-    a2a_flat = sum(two["loco1"]["link_bytes"]) / STEPS - empty - gather
+    gather_two = sum(s[0]["wire:all_gather_inter"] for s in two["loco2"]["stats"])
+    gather_flat = NODES / WORLD * sum(s[0]["wire:all_gather"] for s in two["loco1"]["stats"])
+    assert gather_two / gather_flat == pytest.approx((NODES - 1) / NODES * WORLD / (WORLD - 1))
+    a2a_two = sum(two["loco2"]["link_bytes"]) / STEPS - empty - gather_two
+    a2a_flat = sum(two["loco1"]["link_bytes"]) / STEPS - empty - gather_flat
     assert a2a_two / a2a_flat == pytest.approx(1 / LOCAL, rel=0.1)
 
 

@@ -121,8 +121,13 @@ def _check_bytes(topo: comm.Topology) -> None:
     per_hop = n * (0.5 + 4 / G)  # codes + one fp32 scale per group
     intra = (L - 1) / L * per_hop
     inter = (N - 1) / N * per_hop / L if N > 1 else 0
-    gather = (W - 1) / W * per_hop
-    assert stats["wire:all_to_all"] == round(intra) and stats["wire:all_gather"] == round(gather)
+    assert stats["wire:all_to_all"] == round(intra)
+    if N > 1:  # the all-gather across nodes first (one copy per other node), then within the node
+        assert stats["wire:all_gather_inter"] == round((N - 1) / W * per_hop)
+        assert stats["wire:all_gather_intra"] == round((L - 1) * N / W * per_hop)
+        assert "wire:all_gather" not in stats
+    else:
+        assert stats["wire:all_gather"] == round((W - 1) / W * per_hop)
     assert stats.get("wire:all_to_all_inter", 0) == round(inter)
     assert stats["bf16_wire_bytes"] == round(2 * (W - 1) / W * 2 * n)
     # 0.266 of bf16 flat or two-level (two-level sends as much in all, but only 1/L of it between nodes)

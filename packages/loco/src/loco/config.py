@@ -55,6 +55,14 @@ class LocoConfig(PluginConfig):
     ``detect``), but Trainer/accelerate reject any ``"auto"`` they cannot fill themselves: leave
     the key out there."""
 
+    parameter_gather: Literal["two_level", "deepspeed"] = "two_level"
+    """Who all-gathers the parameters on ZeRO 1-3 (the updated partitions after each step on ZeRO
+    1/2, every parameter before its use on ZeRO 3) when loco reduces two-level (see
+    ``hierarchy``).  ``two_level``: loco, across nodes then within the node, so each parameter
+    byte crosses to every other node once (2/3 of a ring's link bytes on 2 nodes x 2); lossless,
+    the gathered weights are DeepSpeed's bit for bit.  ``deepspeed``: DeepSpeed's ring all-gather
+    over all ranks.  With a flat hierarchy DeepSpeed's all-gather is kept either way."""
+
     node_size: int | None = pydantic.Field(default=None, ge=1)
     """Ranks per node (node n holds ranks n*node_size ... (n+1)*node_size-1).  None: the
     ``LOCAL_WORLD_SIZE`` (torchrun) or ``LOCAL_SIZE`` environment variable, else one node."""

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from typing_extensions import override
 
 import zerohooks
 from loco import comm, ops
@@ -17,6 +18,7 @@ from loco.state import LocoState, after_step, begin_call, load_state_dict, state
 from zerohooks import (
     ConfigError,
     GradientReducer,
+    ParameterGatherer,
     PluginConfig,
     ReduceBucket,
     SetupContext,
@@ -26,7 +28,7 @@ from zerohooks import (
 )
 from zerohooks.registry import HookRegistry
 
-__all__ = ["LocoPlugin", "LocoReducer", "param_key"]
+__all__ = ["LocoGatherer", "LocoPlugin", "LocoReducer", "param_key"]
 
 
 def param_key(param: Any, index: int, names: dict[int, str]) -> str:
@@ -97,6 +99,23 @@ class LocoReducer(GradientReducer):
             for i, part in zip(quant, parts, strict=True):
                 out[i] = part
         return [t for t in out if t is not None]
+
+
+class LocoGatherer(ParameterGatherer):
+    """Owner of DeepSpeed's parameter all-gathers: two-level (:func:`loco.comm.all_gather`) on
+    the whole-world group; a smaller group (not expected: only the engine's data-parallel groups
+    are routed here) is gathered flat."""
+
+    def __init__(self, state: LocoState, topology: Callable[[Any], comm.Topology]) -> None:
+        self.state = state
+        self.topology = topology
+
+    @override
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
+        topo = self.topology(group)
+        nbytes = input.numel() * input.element_size()
+        for hop, copies in comm.all_gather(topo, output, input, "loco parameter all_gather").items():
+            self.state.stats.parameters(hop, copies * nbytes)
 
 
 def _dynamic_loss_scaling(engine: Any) -> bool:
@@ -192,6 +211,12 @@ class LocoPlugin(ZeroPlugin):
             if _device_type() == "cuda":
                 self.kernels = ops.load_distributed("cuda")
         registry.register_reducer(self.reducer, name=self.name)
+        if (
+            self.cfg.parameter_gather == "two_level"
+            and ctx.zero_stage > 0
+            and _two_level_wanted(self.cfg, world, node)
+        ):
+            registry.register_gatherer(LocoGatherer(self.state, self._topology), name=self.name)
         registry.register_after_step(self._after_step, name=self.name)
         registry.register_state(self, name=self.name)
 

@@ -77,8 +77,11 @@ class CommStats:
     loco's own collectives: codes, scales and padding, or the exact path's tensors),
     ``bf16_wire_bytes`` / ``bf16_handed_bytes`` (the same for a bf16 all-reduce, or reduce-scatter
     on ZeRO 3, of the same elements: the baseline), and ``wire:<collective>`` per collective
-    (``all_to_all`` within a node or flat, ``all_to_all_inter`` between nodes, ``all_gather``,
-    ``exact``).
+    (``all_to_all`` within a node or flat, ``all_to_all_inter`` between nodes, ``all_gather``
+    flat, or ``all_gather_inter`` and ``all_gather_intra`` two-level, ``exact``).  When loco owns
+    DeepSpeed's parameter all-gathers (``parameter_gather``), their bytes are counted apart, as
+    ``params:<hop>`` (``params:all_gather_inter``, ...), and not in ``wire_bytes``: they are the
+    model's weights, not gradients.
 
     ``sink``, when set (the plugin sets it to ``zerohooks.attachment(engine).counters``), receives
     the same wire bytes through ``sink.add_wire(collective, format, nbytes)``, split by format
@@ -114,6 +117,10 @@ class CommStats:
         if self.sink is not None:
             for fmt, nbytes in (parts or {"uint8": wire}).items():
                 self.sink.add_wire(op or name, fmt, round(nbytes))
+
+    def parameters(self, hop: str, wire: float) -> None:
+        """Count ``wire`` bytes this rank sent in one hop of a parameter all-gather."""
+        self.add(f"params:{hop}", wire)
 
     def reduced(self, numel: int, op: str, world: int) -> None:
         """Count ``numel`` gradient elements and what bf16 would have cost for them."""

@@ -36,7 +36,14 @@ from zerohooks.errors import (  # noqa: E402
     RankFailedError,
     UnsupportedDeepSpeedError,
 )
-from zerohooks.hookspec import GradientReducer, ReduceBucket, SetupContext, StepContext, SwapOwner  # noqa: E402
+from zerohooks.hookspec import (  # noqa: E402
+    GradientReducer,
+    ParameterGatherer,
+    ReduceBucket,
+    SetupContext,
+    StepContext,
+    SwapOwner,
+)
 from zerohooks.initialize import initialize  # noqa: E402
 from zerohooks.plugin import PluginConfig, PluginInUseError, ZeroPlugin  # noqa: E402
 from zerohooks.registry import HookRegistry, OwnerConflictError, RemovableHandle  # noqa: E402
@@ -59,6 +66,7 @@ __all__ = [
     "GradientReducer",
     "HookRegistry",
     "OwnerConflictError",
+    "ParameterGatherer",
     "PluginConfig",
     "PluginInUseError",
     "PluginNotInstalledError",

@@ -10,8 +10,9 @@ Two kinds of hooks exist:
 ``reduce_tensor``, ``before_step``, ``after_step``, ``gather_dtype``) compose: every registered callback runs, in ascending
 ``order`` and then by name, each one receiving what the previous one returned;
 
-*owners* (the gradient collective, :class:`GradientReducer`, and the ZeRO-3 NVMe optimizer
-state path, :class:`SwapOwner`) have at most one owner per engine.  Registering a second owner is
+*owners* (the gradient collective, :class:`GradientReducer`; the parameter all-gather,
+:class:`ParameterGatherer`; and the ZeRO-3 NVMe optimizer state path, :class:`SwapOwner`) have at
+most one owner per engine.  Registering a second owner is
 an error that names both.
 """
 
@@ -32,6 +33,7 @@ __all__ = [
     "GatherDtypeHook",
     "GradientReducer",
     "MicroStepGradHook",
+    "ParameterGatherer",
     "PrepareModelHook",
     "PrepareParametersHook",
     "ReduceBucket",
@@ -316,6 +318,25 @@ class GradientReducer(abc.ABC):
         ``all_reduce``: reduce ``bucket.tensors[0]`` in place and return None.
         ``reduce_scatter``: return this rank's chunk of the result for each tensor.
         """
+
+
+class ParameterGatherer(abc.ABC):
+    """Owner of the parameter all-gathers of a ZeRO 1-3 engine.  At most one per engine.
+
+    DeepSpeed all-gathers parameters over the data-parallel group: on ZeRO 1/2 the updated 16-bit
+    (or fp32) partitions after every optimizer step, on ZeRO 3 every parameter before its forward
+    (and backward) use.  With an owner, each such ``all_gather_into_tensor`` on one of the
+    engine's data-parallel groups calls :meth:`all_gather` instead; other groups (hpZ's secondary
+    partition, expert groups) and other engines keep DeepSpeed's collective.
+
+    The result must be exactly DeepSpeed's (a lossless re-routing, such as a two-level
+    all-gather over nodes): the gathered values are the model's weights.
+    """
+
+    @abc.abstractmethod
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
+        """Fill ``output`` (``world_size * input.numel()`` elements, flat) with every rank's
+        ``input``, in the rank order of ``group``; return when ``output`` is complete."""
 
 
 SwapDefault = Callable[[], None]

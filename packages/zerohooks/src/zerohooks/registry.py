@@ -19,6 +19,7 @@ from zerohooks.hookspec import (
     GatherDtypeHook,
     GradientReducer,
     MicroStepGradHook,
+    ParameterGatherer,
     PrepareModelHook,
     PrepareParametersHook,
     ReduceDtypeHook,
@@ -142,6 +143,7 @@ class HookRegistry:
         self.after_step: _HookList[AfterStepHook] = _HookList("after_step")
         self.reducer: _Owner[GradientReducer] = _Owner("the gradient collective")
         self.swapper: _Owner[SwapOwner] = _Owner("the NVMe optimizer-state swap path")
+        self.gatherer: _Owner[ParameterGatherer] = _Owner("the parameter all-gather")
         self.gather_dtype: _HookList[GatherDtypeHook] = _HookList("gather_dtype")
         self.states: dict[str, StateProvider] = {}
         self._sealed = False
@@ -192,6 +194,10 @@ class HookRegistry:
     def register_reducer(self, reducer: GradientReducer, *, name: str) -> RemovableHandle:
         """Own the gradient collective; a second owner raises :class:`OwnerConflictError`."""
         return self.reducer.set(reducer, name)
+
+    def register_gatherer(self, gatherer: ParameterGatherer, *, name: str) -> RemovableHandle:
+        """Own the parameter all-gathers (ZeRO 1-3); a second owner raises :class:`OwnerConflictError`."""
+        return self.gatherer.set(gatherer, name)
 
     def register_swapper(self, swapper: SwapOwner, *, name: str) -> RemovableHandle:
         """Own the ZeRO-3 NVMe swap path; a second owner raises :class:`OwnerConflictError`."""
@@ -252,5 +258,6 @@ class HookRegistry:
         out = {hl.hook: hl.names() for hl in self._transforms()}
         out["reducer"] = [self.reducer.name] if self.reducer.name else []
         out["swapper"] = [self.swapper.name] if self.swapper.name else []
+        out["gatherer"] = [self.gatherer.name] if self.gatherer.name else []
         out["state"] = sorted(self.states)
         return out

@@ -22,7 +22,7 @@ _STAGE_HOOKS = ("micro_step_grad", "reduce_dtype", "reduce_tensor", "gather_dtyp
 def _stage_plugins(registry: HookRegistry) -> list[str]:
     """Plugins that registered hooks fired inside a ZeRO optimizer (not only around the step)."""
     summary = registry.summary()
-    names = {n for hook in (*_STAGE_HOOKS, "reducer", "swapper") for n in summary[hook]}
+    names = {n for hook in (*_STAGE_HOOKS, "reducer", "gatherer", "swapper") for n in summary[hook]}
     return sorted(names)
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from zerohooks._compat import require_attr, require_attrs
+from zerohooks.adapter import gather
 from zerohooks.adapter.base import Attachment
 from zerohooks.errors import ConfigError
 
@@ -117,3 +118,6 @@ def install(att: Attachment) -> None:
         return gradient_reduction_w_predivide
 
     att.patch(opt, "gradient_reduction_w_predivide", make_predivide, _OPT)
+    # the all-gather of the updated partitions after each step (all_gather_dp_groups)
+    if reg.gatherer.owner is not None:
+        gather.install(att, list(require_attr(opt, "real_dp_process_group", _OPT)))

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from zerohooks._compat import require_attr, require_attrs
+from zerohooks.adapter import gather
 from zerohooks.adapter.base import Attachment
 from zerohooks.errors import ConfigError
 from zerohooks.hookspec import ReduceBucket
@@ -252,3 +253,17 @@ def install(att: Attachment) -> None:
     _install_grad_hooks(att, opt)
     _install_collectives(att, opt)
     _install_swap(att, opt)
+    _install_gatherer(att)
+
+
+def _install_gatherer(att: Attachment) -> None:
+    """Route the forward/backward parameter all-gathers (each parameter's ``ds_process_group``;
+    hpZ's secondary groups are left to DeepSpeed) to the gatherer, if one is registered."""
+    if att.registry.gatherer.owner is None:
+        return
+    groups: list[Any] = []
+    for p in att.engine.module.parameters():
+        g = getattr(p, "ds_process_group", None)
+        if hasattr(p, "ds_tensor") and all(g is not k for k in groups):
+            groups.append(g)
+    gather.install(att, groups)
