@@ -13,7 +13,10 @@ loopback, unshaped, as on a real machine.  The demo GPT (examples/gpt.py; d_mode
 * ``deepspeed-bf16``: DeepSpeed alone, gradients all-reduced in bf16 (``communication_data_type``);
 * ``loco-flat``: LoCo 4-bit, one all-to-all over the 4 ranks;
 * ``loco-two-level``: LoCo 4-bit, ``hierarchy: detect`` (two-level: the node layout comes from
-  torchrun's LOCAL_WORLD_SIZE).
+  torchrun's LOCAL_WORLD_SIZE); on ZeRO 1-3 loco also all-gathers the parameters, two-level
+  (``parameter_gather``, the default);
+* ``loco-two-level-dsgather`` (when ``--runs`` names it): the same with ``parameter_gather:
+  deepspeed``, DeepSpeed's ring all-gather of the parameters.
 
 DeepSpeed's own 4-bit gradients (ZeRO++ ``zero_quantized_gradients``, ZeRO 3 only) are tried
 once before anything starts: on CPU DeepSpeed has no quantizer op, so it is reported as not
@@ -23,7 +26,11 @@ Per run: median step time (forward, backward, optimizer step; the slowest rank o
 the loss of the last step (mean over ranks), the bytes that crossed the link per step (median;
 counters of node 0's link interface read between barriers around each step) and what the
 counters say should cross (zerohooks' wire record for DeepSpeed's ring all-reduce, ``plugin.stats``
-for LoCo: its inter-node all-to-all, 2/3 of a flat all-to-all, half of a ring all-gather).
+for LoCo: its inter-node all-to-all and all-gather, 2/3 of a flat all-to-all, half of a ring
+all-gather; gradients only: DeepSpeed's parameter all-gathers are not counted).  With an unshaped
+rate in the same launch, each shaped run is also compared with its floor (the run's unshaped step
+time plus the busier direction's bytes over the link rate), and every run's time to a target loss
+(DeepSpeed's final loss + 1 %) is reported.
 
 Results: JSON in benchmarks/out/bench_two_nodes.json, markdown printed and in
 benchmarks/out/bench_two_nodes.md, step time against link rate in benchmarks/out/bench_two_nodes.png.
@@ -48,8 +55,15 @@ OUT = ROOT / "benchmarks" / "out"
 sys.path.insert(0, str(ROOT / "examples"))  # gpt.py, data.py (imported, not edited)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-FORMAT = 1
-RUNS = ("deepspeed-bf16", "loco-flat", "loco-two-level", "deepspeed-bf16-hpz", "loco-two-level-hpz")
+FORMAT = 2
+RUNS = (
+    "deepspeed-bf16",
+    "loco-flat",
+    "loco-two-level",
+    "loco-two-level-dsgather",
+    "deepspeed-bf16-hpz",
+    "loco-two-level-hpz",
+)
 """Every run; the ``-hpz`` ones (ZeRO 3 only: ZeRO++ hierarchical partitioning, a secondary copy
 of the parameters per node, so forward and backward all-gathers stay inside the node) run when
 ``--runs`` names them."""
@@ -60,10 +74,10 @@ NODES, LOCAL = 2, 2
 # --------------------------------------------------------------------------------------- ranks
 
 
-def _link() -> int:
-    """Bytes through this node's link interface so far, both directions."""
+def _link() -> tuple[int, int]:
+    """Bytes sent and received through this node's link interface so far."""
     base = Path("/sys/class/net") / os.environ["GLOO_SOCKET_IFNAME"] / "statistics"
-    return int((base / "tx_bytes").read_text()) + int((base / "rx_bytes").read_text())
+    return int((base / "tx_bytes").read_text()), int((base / "rx_bytes").read_text())
 
 
 def _run_config(name: str, stage: int) -> dict[str, Any]:
@@ -75,6 +89,8 @@ def _run_config(name: str, stage: int) -> dict[str, Any]:
         cfg["loco"] = {"hierarchy": "flat"}
     elif name.startswith("loco-two-level"):
         cfg["loco"] = {"hierarchy": "detect"}
+        if name.endswith("-dsgather"):
+            cfg["loco"]["parameter_gather"] = "deepspeed"
     if name.endswith("-hpz"):
         cfg["zero_optimization"]["zero_hpz_partition_size"] = LOCAL
     return cfg
@@ -98,7 +114,7 @@ def _train(name: str, args: argparse.Namespace) -> dict[str, Any]:
     att = zerohooks.attachment(engine)
     plugin = next((p for p in att.plugins if p.name == "loco"), None) if att is not None else None
     sampler = BatchSampler(ByteCorpus.load(train_bytes=1 << 20).train, args.seq_len, 4, args.seed, rank)
-    losses, times, link = [], [], []
+    losses, times, link, busiest = [], [], [], []
     for step in range(args.warmup + args.steps):
         x, y = sampler.next()
         dist.barrier()
@@ -115,12 +131,15 @@ def _train(name: str, args: argparse.Namespace) -> dict[str, Any]:
         losses.append(float(loss.detach()))
         if step >= args.warmup:
             times.append(elapsed)
-            link.append(after - before)
+            tx, rx = after[0] - before[0], after[1] - before[1]
+            link.append(tx + rx)
+            busiest.append(max(tx, rx))  # each direction has its own token bucket
     topo = getattr(plugin, "_two_level", None) if plugin is not None else None
     mine = {
         "losses": losses,
         "times": times,
         "link": link,
+        "busiest": busiest,
         "stats": list(plugin.stats.history)[args.warmup :] if plugin is not None else None,
         "wire": list(att.counters.wire_history)[args.warmup :] if att is not None else None,
         "two_level": None if topo is None else [topo.nodes, topo.node_size],
@@ -164,6 +183,7 @@ def _summary(every: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
         "losses": [sum(r["losses"][i] for r in every) / len(every) for i in range(len(every[0]["losses"]))],
         "link_bytes": every[0]["link"],
         "median_link_bytes": statistics.median(every[0]["link"]),
+        "median_busiest_direction_bytes": statistics.median(every[0]["busiest"]),
         "counted_crossing_bytes": statistics.median(_crossing(every, i) for i in steps),
     }
 
@@ -217,6 +237,53 @@ def run_rate(rate: str, args: argparse.Namespace, argv: list[str]) -> dict[str, 
         return dict(json.loads(out.read_text()))
 
 
+_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+
+def rate_bytes_per_s(rate: str) -> float | None:
+    """A tc rate (``100mbit``, ``1gbit``; tc's decimal units) in bytes per second; None for
+    ``none`` (unshaped)."""
+    for unit, factor in _UNITS.items():
+        if rate.endswith(unit) and rate[: -len(unit)].replace(".", "", 1).isdigit():
+            return float(rate[: -len(unit)]) * factor / 8
+    return None
+
+
+def _smoothed(losses: list[float], i: int) -> float:
+    """Mean of the loss at step i and the two before it (the demo's loss is noisy step to step)."""
+    window = losses[max(0, i - 2) : i + 1]
+    return sum(window) / len(window)
+
+
+def derive(res: dict[str, Any], slack: float = 0.01) -> None:
+    """Per run: the floor (the same run's unshaped step time plus the busier direction's bytes
+    over the link rate, both from this launch), the ratio to it, the final loss (last three
+    steps) against DeepSpeed's, and the time to the target loss: DeepSpeed's final loss plus
+    ``slack``, reached when the last three steps' mean falls to it (measured steps only)."""
+    unshaped = res["rates"].get("none", {})
+    warmup = res["meta"]["warmup"]
+    for rate, runs in res["rates"].items():
+        base = runs.get("deepspeed-bf16")
+        bps = rate_bytes_per_s(rate)
+        target = None if base is None else (1 + slack) * _smoothed(base["losses"], len(base["losses"]) - 1)
+        for name, r in runs.items():
+            r["final_loss_smoothed"] = _smoothed(r["losses"], len(r["losses"]) - 1)
+            if base is not None:
+                r["final_loss_vs_deepspeed"] = r["final_loss_smoothed"] / base["final_loss_smoothed"] - 1
+            if bps is not None and name in unshaped:
+                floor = unshaped[name]["median_step_s"] + r["median_busiest_direction_bytes"] / bps
+                r["floor_s"], r["vs_floor"] = floor, r["median_step_s"] / floor
+            if target is not None:
+                r["target_loss"] = target
+                r["time_to_target_s"] = None
+                elapsed = 0.0
+                for i, t in enumerate(r["step_s"]):
+                    elapsed += t
+                    if _smoothed(r["losses"], warmup + i) <= target:
+                        r["time_to_target_s"] = elapsed
+                        break
+
+
 def markdown(res: dict[str, Any]) -> str:
     meta = res["meta"]
     lines = [
@@ -224,20 +291,30 @@ def markdown(res: dict[str, Any]) -> str:
         f"parameters (d_model {meta['d_model']}, {meta['layers']} layers), micro-batch 4 x {meta['seq_len']} "
         f"tokens, fp32 compute; {meta['steps']} measured steps after {meta['warmup']} warm-up.",
         "",
-        "| link | run | median step (s) | vs DeepSpeed | final loss | bytes on the link / step | counted to cross | "
-        "vs DeepSpeed bytes |",
-        "|---|---|---|---|---|---|---|---|",
+        "| link | run | median step (s) | vs DeepSpeed | vs floor | time to target (s) | final loss (vs DS) "
+        "| bytes on the link / step | counted to cross (gradients) | vs DeepSpeed bytes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for rate, runs in res["rates"].items():
         base = runs.get("deepspeed-bf16")
         for name, r in runs.items():
             rel_t = f"{r['median_step_s'] / base['median_step_s']:.2f}x" if base else "-"
             rel_b = f"{r['median_link_bytes'] / base['median_link_bytes']:.3f}x" if base else "-"
+            floor = f"{r['vs_floor']:.2f}x" if "vs_floor" in r else "-"
+            ttt = r.get("time_to_target_s", "-")
+            ttt = "not reached" if ttt is None else ttt if isinstance(ttt, str) else f"{ttt:.1f}"
+            vs = f" ({100 * r['final_loss_vs_deepspeed']:+.2f} %)" if "final_loss_vs_deepspeed" in r else ""
             lines.append(
-                f"| {rate} | {name} | {r['median_step_s']:.3f} | {rel_t} | {r['final_loss']:.4f} | "
-                f"{r['median_link_bytes'] / 1e6:.3f} MB | {r['counted_crossing_bytes'] / 1e6:.3f} MB | {rel_b} |"
+                f"| {rate} | {name} | {r['median_step_s']:.3f} | {rel_t} | {floor} | {ttt} | "
+                f"{r['final_loss_smoothed']:.4f}{vs} | {r['median_link_bytes'] / 1e6:.3f} MB | "
+                f"{r['counted_crossing_bytes'] / 1e6:.3f} MB | {rel_b} |"
             )
-    lines += ["", f"DeepSpeed zero_quantized_gradients (qgZ): {res['qgz']}"]
+    lines += [
+        "",
+        "Floor: the run's unshaped median step plus the busier direction's bytes per step over the link "
+        "rate. Target loss: DeepSpeed's final loss (mean of the last 3 steps) + 1 %.",
+        f"DeepSpeed zero_quantized_gradients (qgZ): {res['qgz']}",
+    ]
     return "\n".join(lines)
 
 
@@ -331,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         if any(r.get("kernels") for runs in res["rates"].values() for r in runs.values())
         else "reference"
     )
+    derive(res)
     res["meta"]["seconds"] = round(time.time() - t0)
     res["meta"]["load"] = f"{load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
     OUT.mkdir(parents=True, exist_ok=True)

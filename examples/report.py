@@ -94,6 +94,47 @@ def _fmt(x: float, spec: str) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def link_section(results: list[Result], meta: dict[str, Any]) -> list[str]:
+    """With ``--nodes``: per run, step time and the bytes that crossed the emulated link."""
+    rows = [r for r in results if r.get("status") == "ok" and r.get("link_bytes") is not None]
+    if not rows:
+        return []
+    a = meta.get("args", {})
+    delay = f", {a['link_delay']} one-way delay" if a.get("link_delay") else ""
+    lines = [
+        "",
+        f"## Across {a.get('nodes')} emulated nodes of {a.get('nproc_per_node')} ranks, link "
+        f"{a.get('link_rate') or 'unshaped'}{delay}",
+        "",
+        f"| run | step time (ms) | vs {rows[0]['name']} | crossed the link /step | vs {rows[0]['name']} "
+        "| reduction |",
+        "|---|---|---|---|---|---|",
+    ]
+    ref_t = summarize(rows[0])["step_time_ms"]
+    ref_b = rows[0]["link_bytes"] / max(1, len(rows[0].get("step_time_s", [])))
+    for r in rows:
+        t = summarize(r)["step_time_ms"]
+        b = r["link_bytes"] / max(1, len(r.get("step_time_s", [])))
+        two = any("all_to_all_inter" in step for step in r.get("wire_bytes") or [])
+        lines.append(
+            f"| {r['name']} | {_fmt(t, '.1f')} | {_fmt(t / ref_t if ref_t else math.nan, '.2f')}x | "
+            f"{human_bytes(b)} | {_fmt(b / ref_b if ref_b else math.nan, '.3f')}x | "
+            f"{'two-level (within, then between nodes)' if two else 'one level'} |"
+        )
+    lines += [
+        "",
+        "- each node is a network namespace on this machine with its own torchrun; every byte "
+        "between two nodes crosses one virtual link shaped with tc (`zerohooks.testing.nodes`).",
+        "- crossed the link: what the nodes' link interfaces sent (their tx counters, read by each "
+        "node's first rank between barriers before and after the run's training steps), summed over "
+        "the nodes (each byte once), divided by the steps: gradients and everything else, TCP/IP "
+        "and gloo framing included, and the few bytes of the evaluations in between.",
+        "- reduction: two-level when the run's wire counters show an inter-node hop "
+        "(`all_to_all_inter`: loco finds the node layout from torchrun's LOCAL_WORLD_SIZE).",
+    ]
+    return lines
+
+
 def markdown(results: list[Result], meta: dict[str, Any]) -> str:
     lines = ["# GPT training demo", ""]
     lines.append(f"Command: `{meta.get('command', '')}`  ")
@@ -172,6 +213,7 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
     ]
     if skipped:
         lines += ["", "Skipped runs:", *skipped]
+    lines += link_section(results, meta)
     lines += ["", "![loss](loss.png)", "", "![communication bytes](comm_bytes.png)", ""]
     return "\n".join(lines)
 

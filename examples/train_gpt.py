@@ -3,12 +3,14 @@
     python examples/train_gpt.py                      # 2 CPU ranks (gloo), or 1 rank per GPU (NCCL)
     python examples/train_gpt.py --stage 3 --runs baseline,accumdtype
     python examples/train_gpt.py --list-runs
+    sudo python examples/train_gpt.py --nodes 2 --link-rate 100mbit --stage 0 --runs baseline,loco
 
 The command launches its own ranks: run outside a distributed launch (no ``RANK`` in the
 environment), it starts itself again under ``torch.distributed.run`` with ``--nproc`` ranks.
 Several configurations (``--runs``, registered in ``runs.py``) are trained one after another
 in the same launch and compared in one report folder (``--out``): loss.png, comm_bytes.png,
-report.md, results.json.
+report.md, results.json. ``--nodes N`` runs the ranks as N emulated nodes joined by one shaped
+network link (``nodes.py``; Linux, root) and reports the bytes that crossed it.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import runs as run_registry  # a sibling module of this script
+import nodes as emulated  # sibling modules of this script
+import runs as run_registry
 
 WARMUP_STEPS = 3
 T_IMPORT = time.time()
@@ -98,6 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--heads", type=int, default=4, help="attention heads (must divide --d-model)")
     g = p.add_argument_group("output")
     g.add_argument("--out", default="reports/demo", help="report folder (written by rank 0)")
+    emulated.add_arguments(p)
     args = p.parse_args(argv)
 
     for name in ("steps", "micro_batch", "grad_accum", "seq_len", "layers", "d_model", "heads"):
@@ -111,6 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--offload needs ZeRO stage 1, 2 or 3 (DeepSpeed offloads ZeRO's optimizer)")
     if args.nproc is not None and args.nproc < 1:
         p.error("--nproc must be at least 1")
+    emulated.check_args(args, p.error)
     args.plugin_list = tuple(x for x in args.plugins.split(",") if x)
     if args.runs.strip() == "all":
         args.run_list = list(run_registry.RUNS)
@@ -164,7 +169,12 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     """Start this script under torch.distributed.run and return its exit status."""
     import torch
 
-    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.nodes > 1:
+        reason = emulated.unavailable(args)  # before the kernel build: say at once
+        if reason is not None:
+            print(reason, file=sys.stderr)
+            return 2
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() and args.nodes == 1 else 0
     nproc = args.nproc or n_gpu or 2
     if n_gpu and nproc > n_gpu:
         print(f"error: --nproc {nproc} but only {n_gpu} GPUs (one rank per GPU)", file=sys.stderr)
@@ -183,6 +193,8 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         env.setdefault("DS_ACCELERATOR", "cpu")
         env.setdefault("LOCAL_SIZE", str(nproc))  # DeepSpeed's CPU accelerator reads it
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if args.nodes > 1:
+        emulated.rank_env(args, env)
     cmd = [
         sys.executable,
         "-m",
@@ -193,6 +205,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     ]  # our options go through the environment: torchrun's parser would take e.g. --nproc as its own
     prebuild(args)
     where = f"{nproc} GPU rank(s), NCCL" if n_gpu else f"{nproc} CPU rank(s), gloo"
+    where = emulated.describe(args) if args.nodes > 1 else where
     print(f"train_gpt: launching {where}", flush=True)
     env["TRAIN_GPT_ARGV"] = json.dumps(argv)
     env["TRAIN_GPT_T0"] = str(T_IMPORT)
@@ -200,7 +213,10 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="train_gpt_") as errors:
         env["TRAIN_GPT_ERROR_DIR"] = errors
         try:
-            rc = subprocess.run(cmd, env=env).returncode
+            if args.nodes > 1:
+                rc = emulated.run(args, cmd[-1], env)
+            else:
+                rc = subprocess.run(cmd, env=env).returncode
         except KeyboardInterrupt:
             print("train_gpt: interrupted", file=sys.stderr)
             return 130
@@ -434,6 +450,8 @@ def train_one(
     val: list[tuple[int, float]] = [(0, evaluate(engine))]  # before training: where every run starts
     if rank == 0:
         print(f"[{run.name}] step 0: val loss {val[0][1]:.4f}", flush=True)
+    link = emulated.LinkMeter(args.nodes > 1)
+    link.start()
     bar = tqdm(
         total=args.steps,
         desc=f"{run.name}",
@@ -467,10 +485,11 @@ def train_one(
             if rank == 0:
                 bar.write(f"[{run.name}] step {step}: train loss {loss_value:.4f}, val loss {v:.4f}")
     bar.close()
+    crossed = link.stop()
     peak = peak_memory(cuda)
 
     # gather every rank's numbers once, at the end (no extra collectives inside the loop)
-    mine = {"loss": losses, "time": times, "comm": comm, "wire": wire, "peak": peak}
+    mine = {"loss": losses, "time": times, "comm": comm, "wire": wire, "peak": peak, "link": crossed}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
     zero_cfg = config.get("zero_optimization", {})
@@ -498,6 +517,8 @@ def train_one(
         # of the collective such as loco really sends)
         "comm_bytes": sum_over_ranks([g["comm"] for g in gathered], args.steps),
         "wire_bytes": sum_over_ranks([g["wire"] for g in gathered], args.steps),
+        # emulated nodes: bytes that crossed the link during the steps (and their evaluations)
+        "link_bytes": None if crossed is None else sum(g["link"] for g in gathered),
         "wall_time_s": round(time.time() - t_run, 1),
     }
 
@@ -644,7 +665,8 @@ def worker(args: argparse.Namespace) -> int:
             if rank == 0:  # after every run, so a later failure keeps the finished ones
                 folder = write_report(args.out, results, meta)
         if rank == 0:
-            table = [ln for ln in (folder / "report.md").read_text().splitlines() if ln[:1] == "|"]
+            report = (folder / "report.md").read_text().splitlines()
+            table = [ln for ln in report if ln[:1] == "|" or ln[:3] == "## "]
             print("\n".join(table))
             # under our own launcher, the launcher states the command's wall time once the
             # ranks have exited (and writes it into report.md); under torchrun, this rank does
