@@ -4,9 +4,13 @@
 // adjacent pair, and the median and best ns/element of each version.  Build and run:
 //   mkdir -p /tmp/ab/base && git show <rev>:packages/loco/src/loco/csrc/loco_cpu.h > /tmp/ab/base/loco_cpu.h
 //   (same for loco_cpu_recv.h and loco_common.h); ln -s $PWD/packages/loco/src/loco/csrc /tmp/ab/new
-//   g++ -O3 -ffp-contract=off -fno-math-errno -fno-trapping-math -mavx2 -mfma -mf16c -std=c++20 \
+//   g++ -O3 -ffp-contract=off -fno-math-errno -fno-trapping-math <ISA> -std=c++20 \
 //       -I /tmp/ab benchmarks/loco_kernels_ab.cpp -o /tmp/loco_ab
 //   /tmp/loco_ab [elements = 16M] [rounds = 9] [divisor = 2]
+// <ISA>: the extension's flags (loco.ops.cpu_build_flags()): -mavx512f -mavx512bw -mavx512vl
+// -mavx512dq -mf16c where torch reports an AVX-512 CPU (the kernels' AVX-512 paths), else
+// -mavx2 -mfma -mf16c.  Where both versions are copies (no symlink), give them different
+// modification times: GCC's #pragma once takes two files with the same contents and mtime for one.
 // (the system headers are included first, so that the wrapped copies only add loco's own code)
 #include <stdint.h>
 #include <immintrin.h>
