@@ -8,7 +8,7 @@ gloo ranks each, started by torchrun in each namespace; the link between them sh
 token bucket at each ``--rates`` entry (``none``: unshaped).  Ranks of one node talk over
 loopback, unshaped, as on a real machine.  The demo GPT (examples/gpt.py; d_model 512, 2 layers,
 8 heads: 6.4 M parameters) trains on the standard-library corpus (examples/data.py), micro-batch
-4 x 32 tokens, fp32 compute, ZeRO ``--stage``, three ways in the same launch:
+4 x 32 tokens, fp32 compute (``--model-dtype bf16``: a bf16 model), ZeRO ``--stage``, three ways in the same launch:
 
 * ``deepspeed-bf16``: DeepSpeed alone, gradients all-reduced in bf16 (``communication_data_type``);
 * ``loco-flat``: LoCo 4-bit, one all-to-all over the 4 ranks;
@@ -80,11 +80,13 @@ def _link() -> tuple[int, int]:
     return int((base / "tx_bytes").read_text()), int((base / "rx_bytes").read_text())
 
 
-def _run_config(name: str, stage: int) -> dict[str, Any]:
+def _run_config(name: str, stage: int, model_dtype: str = "fp32") -> dict[str, Any]:
     from _models import demo_ds_config
 
     cfg = demo_ds_config(stage, micro_batch=4)
     cfg["communication_data_type"] = "bf16"
+    if model_dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
     if name == "loco-flat":
         cfg["loco"] = {"hierarchy": "flat"}
     elif name.startswith("loco-two-level"):
@@ -109,12 +111,15 @@ def _train(name: str, args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     model = GPT(GPTConfig(seq_len=args.seq_len, n_layer=args.layers, n_head=8, d_model=args.d_model))
     engine, *_ = zerohooks.initialize(
-        model=model, model_parameters=model.parameters(), config=_run_config(name, args.stage)
+        model=model,
+        model_parameters=model.parameters(),
+        config=_run_config(name, args.stage, args.model_dtype),
     )
     att = zerohooks.attachment(engine)
     plugin = next((p for p in att.plugins if p.name == "loco"), None) if att is not None else None
     sampler = BatchSampler(ByteCorpus.load(train_bytes=1 << 20).train, args.seq_len, 4, args.seed, rank)
     losses, times, link, busiest = [], [], [], []
+    phases: list[tuple[float, float, float]] = []  # forward, backward, optimizer step
     for step in range(args.warmup + args.steps):
         x, y = sampler.next()
         dist.barrier()
@@ -122,7 +127,9 @@ def _train(name: str, args: argparse.Namespace) -> dict[str, Any]:
         dist.barrier()  # nobody starts before rank 0 has read
         t0 = time.perf_counter()
         loss = engine(x, y)
+        t1 = time.perf_counter()
         engine.backward(loss)
+        t2 = time.perf_counter()
         engine.step()
         elapsed = time.perf_counter() - t0
         dist.barrier()
@@ -131,6 +138,7 @@ def _train(name: str, args: argparse.Namespace) -> dict[str, Any]:
         losses.append(float(loss.detach()))
         if step >= args.warmup:
             times.append(elapsed)
+            phases.append((t1 - t0, t2 - t1, t0 + elapsed - t2))
             tx, rx = after[0] - before[0], after[1] - before[1]
             link.append(tx + rx)
             busiest.append(max(tx, rx))  # each direction has its own token bucket
@@ -140,6 +148,7 @@ def _train(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "times": times,
         "link": link,
         "busiest": busiest,
+        "phases": phases,
         "stats": list(plugin.stats.history)[args.warmup :] if plugin is not None else None,
         "wire": list(att.counters.wire_history)[args.warmup :] if att is not None else None,
         "two_level": None if topo is None else [topo.nodes, topo.node_size],
@@ -184,6 +193,8 @@ def _summary(every: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
         "link_bytes": every[0]["link"],
         "median_link_bytes": statistics.median(every[0]["link"]),
         "median_busiest_direction_bytes": statistics.median(every[0]["busiest"]),
+        # rank 0's forward, backward and optimizer step, each the median over the measured steps
+        "median_phases_s": [statistics.median(p[k] for p in every[0]["phases"]) for k in range(3)],
         "counted_crossing_bytes": statistics.median(_crossing(every, i) for i in steps),
     }
 
@@ -289,7 +300,8 @@ def markdown(res: dict[str, Any]) -> str:
     lines = [
         f"Two emulated nodes x 2 ranks, ZeRO {meta['stage']}, demo GPT {meta['params'] / 1e6:.1f} M "
         f"parameters (d_model {meta['d_model']}, {meta['layers']} layers), micro-batch 4 x {meta['seq_len']} "
-        f"tokens, fp32 compute; {meta['steps']} measured steps after {meta['warmup']} warm-up.",
+        f"tokens, {'a bf16 model' if meta.get('model_dtype') == 'bf16' else 'fp32 compute'}; {meta['steps']} "
+        f"measured steps after {meta['warmup']} warm-up.",
         "",
         "| link | run | median step (s) | vs DeepSpeed | vs floor | time to target (s) | final loss (vs DS) "
         "| bytes on the link / step | counted to cross (gradients) | vs DeepSpeed bytes |",
@@ -352,6 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument(
+        "--model-dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="fp32 compute, or a bf16 model (DeepSpeed's bf16 section: weights gathered in bf16 on ZeRO 1-3)",
+    )
+    p.add_argument(
         "--runs",
         default=",".join(DEFAULT_RUNS),
         help=f"comma-separated subset of {list(RUNS)} (the -hpz ones need --stage 3)",
@@ -380,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     passed = ["--stage", str(args.stage), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     passed += ["--d-model", str(args.d_model), "--layers", str(args.layers), "--seq-len", str(args.seq_len)]
-    passed += ["--seed", str(args.seed), "--runs", args.runs]
+    passed += ["--seed", str(args.seed), "--runs", args.runs, "--model-dtype", args.model_dtype]
     qgz = probe_qgz()
     t0, load = time.time(), os.getloadavg()[0]
     res: dict[str, Any] = {
@@ -390,7 +408,10 @@ def main(argv: list[str] | None = None) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M", time.localtime(t0)),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
             "torch": torch.__version__,
-            **{k: getattr(args, k) for k in ("stage", "steps", "warmup", "d_model", "layers", "seq_len")},
+            **{
+                k: getattr(args, k)
+                for k in ("stage", "steps", "warmup", "d_model", "layers", "seq_len", "model_dtype")
+            },
         },
         "qgz": "runs here (not measured by this script yet)"
         if qgz is None

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -50,6 +50,7 @@ from zerohooks import watchdog
 __all__ = [
     "Topology",
     "all_gather",
+    "begin_all_gather",
     "exact_all_reduce",
     "exact_reduce_scatter",
     "flat_topology",
@@ -300,11 +301,14 @@ def quantized_all_reduce(
     state.stats.reduced(n, "all_reduce", W)
 
 
-def all_gather(topo: Topology, out: torch.Tensor, inp: torch.Tensor, what: str) -> dict[str, int]:
-    """``out`` (``W * inp.numel()`` elements) <- every rank's ``inp``, in rank order: flat, one
-    all-gather over the group; two-level, across nodes then within the node (see the module
-    docstring).  Returns, per hop (``all_gather``, or ``all_gather_inter`` and
-    ``all_gather_intra``), how many copies of ``inp``'s bytes this rank sent."""
+def begin_all_gather(
+    topo: Topology, out: torch.Tensor, inp: torch.Tensor, what: str
+) -> tuple[dict[str, int], Callable[[], None]]:
+    """Issue the all-gather ``out`` (``W * inp.numel()`` elements) <- every rank's ``inp``, in
+    rank order: flat, one all-gather over the group; two-level, across nodes then within the node
+    (see the module docstring).  Returns, per hop (``all_gather``, or ``all_gather_inter`` and
+    ``all_gather_intra``), how many copies of ``inp``'s bytes this rank sends, and ``finish``,
+    which completes ``out``: the first hop runs in the background until it is called."""
     W, N, L = topo.world, topo.nodes, topo.node_size
     if out.numel() != W * inp.numel():
         raise ValueError(f"loco all_gather: output has {out.numel()} elements, expected {W} x {inp.numel()}")
@@ -312,29 +316,44 @@ def all_gather(topo: Topology, out: torch.Tensor, inp: torch.Tensor, what: str) 
     m = src.numel()
     if not topo.two_level:
         dst = out if out.is_contiguous() else torch.empty(W * m, dtype=out.dtype, device=out.device)
-        watchdog.run(
+        flat = watchdog.begin(
             what, topo.group, lambda: _all_gather(dst.view(-1), src, group=topo.group, async_op=True)
         )
-        if dst is not out:
-            out.copy_(dst.view(out.shape))
-        return {"all_gather": W - 1}
+
+        def finish_flat() -> None:
+            flat.wait()
+            if dst is not out:
+                out.copy_(dst.view(out.shape))
+
+        return {"all_gather": W - 1}, finish_flat
     across = torch.empty(N * m, dtype=src.dtype, device=src.device)
-    watchdog.run(
+    first = watchdog.begin(
         f"{what} across nodes", topo.inter, lambda: _all_gather(across, src, group=topo.inter, async_op=True)
     )
-    # row l' of `within` holds, for every node n', the chunk of rank n' * L + l'
-    within = torch.empty(L * N * m, dtype=src.dtype, device=src.device)
-    watchdog.run(
-        f"{what} within the node",
-        topo.intra,
-        lambda: _all_gather(within, across, group=topo.intra, async_op=True),
-    )
-    ordered = within.view(L, N, m).transpose(0, 1)
-    if out.is_contiguous():
-        out.view(N, L, m).copy_(ordered)
-    else:
-        out.copy_(ordered.reshape(out.shape))
-    return {"all_gather_inter": N - 1, "all_gather_intra": (L - 1) * N}
+
+    def finish() -> None:
+        first.wait()
+        # row l' of `within` holds, for every node n', the chunk of rank n' * L + l'
+        within = torch.empty(L * N * m, dtype=src.dtype, device=src.device)
+        watchdog.run(
+            f"{what} within the node",
+            topo.intra,
+            lambda: _all_gather(within, across, group=topo.intra, async_op=True),
+        )
+        ordered = within.view(L, N, m).transpose(0, 1)
+        if out.is_contiguous():
+            out.view(N, L, m).copy_(ordered)
+        else:
+            out.copy_(ordered.reshape(out.shape))
+
+    return {"all_gather_inter": N - 1, "all_gather_intra": (L - 1) * N}, finish
+
+
+def all_gather(topo: Topology, out: torch.Tensor, inp: torch.Tensor, what: str) -> dict[str, int]:
+    """:func:`begin_all_gather`, completed before returning; returns the copies sent per hop."""
+    hops, finish = begin_all_gather(topo, out, inp, what)
+    finish()
+    return hops
 
 
 def exact_reduce_scatter(

@@ -111,11 +111,13 @@ class LocoGatherer(ParameterGatherer):
         self.topology = topology
 
     @override
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Any) -> Callable[[], None]:
         topo = self.topology(group)
         nbytes = input.numel() * input.element_size()
-        for hop, copies in comm.all_gather(topo, output, input, "loco parameter all_gather").items():
+        hops, finish = comm.begin_all_gather(topo, output, input, "loco parameter all_gather")
+        for hop, copies in hops.items():
             self.state.stats.parameters(hop, copies * nbytes)
+        return finish
 
 
 def _dynamic_loss_scaling(engine: Any) -> bool:

@@ -334,9 +334,15 @@ class ParameterGatherer(abc.ABC):
     """
 
     @abc.abstractmethod
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Any) -> Callable[[], None] | None:
         """Fill ``output`` (``world_size * input.numel()`` elements, flat) with every rank's
-        ``input``, in the rank order of ``group``; return when ``output`` is complete."""
+        ``input``, in the rank order of ``group``.
+
+        Return None when ``output`` is complete on return, or a callable that completes it: the
+        adapter calls it once, when DeepSpeed waits on the collective's handle (ZeRO 3 issues
+        its gathers ahead of use and waits later, so the transfer overlaps compute), or at once
+        for a synchronous call.
+        """
 
 
 SwapDefault = Callable[[], None]

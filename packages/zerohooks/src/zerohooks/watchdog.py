@@ -42,8 +42,10 @@ from zerohooks.errors import CollectiveTimeoutError, ConfigError, RankFailedErro
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "ENV",
+    "Pending",
     "agree",
     "barrier",
+    "begin",
     "collective_timeout",
     "gather_objects",
     "run",
@@ -261,6 +263,79 @@ def _diagnose(heart: _Heartbeat | None, what: str, seq: int, group: Any, waited:
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ECONNRESET")
 
 
+class Pending:
+    """A collective issued by :func:`begin`: :meth:`wait` waits for it in bounded time (once)."""
+
+    __slots__ = ("group", "heart", "patient", "seq", "t0", "timeout", "waited", "what", "work")
+
+    def __init__(
+        self,
+        what: str,
+        group: Any,
+        work: Any,
+        heart: _Heartbeat | None,
+        seq: int,
+        timeout: float | None,
+        patient: bool,
+    ) -> None:
+        self.what, self.group, self.work, self.heart, self.seq = what, group, work, heart, seq
+        self.timeout, self.patient = timeout, patient
+        self.t0 = time.monotonic()
+        self.waited = False
+
+    def wait(self) -> None:
+        """Return when the collective completed; :class:`~zerohooks.errors.CollectiveTimeoutError`
+        when it did not within the limit (or a peer went away)."""
+        if self.waited:
+            return
+        self.waited = True
+        timeout, heart = self.timeout, self.heart
+        if timeout is None:
+            self.work.wait()
+            return
+        try:
+            if self.patient:
+                _wait_patiently(self.work, heart, self.what, self.seq, self.group, timeout, self.t0)
+            else:
+                left = max(0.001, timeout - (time.monotonic() - self.t0))
+                self.work.wait(timeout=datetime.timedelta(seconds=left))
+        except RuntimeError as e:
+            if isinstance(e, CollectiveTimeoutError):
+                raise
+            waited = time.monotonic() - self.t0
+            text = str(e)
+            if "timed out" in text.lower() or waited >= 0.95 * timeout:
+                cause = f"did not complete within the {timeout:g} s limit"
+            elif any(s in text for s in _PEER_GONE):
+                cause = f"failed: a peer went away ({text.splitlines()[0][:160]})"
+            else:
+                raise
+            raise CollectiveTimeoutError(
+                _diagnose(heart, self.what, self.seq, self.group, waited, cause)
+            ) from e
+        finally:
+            if heart is not None:
+                heart.leave(self.what, self.seq)
+
+
+def begin(what: str, group: Any, start: Callable[[], Any], *, patient: bool = False) -> Pending:
+    """Issue one collective (``start()`` issues it with ``async_op=True`` and returns its work
+    handle) and return at once; the returned :class:`Pending`'s ``wait()`` is :func:`run`'s wait,
+    bounded from the moment the collective was issued.  For overlapping a collective with work."""
+    timeout = collective_timeout()
+    if timeout is None or dist.get_backend(group) != "gloo" or dist.get_world_size(group) == 1:
+        return Pending(what, group, start(), None, 0, None, patient)
+    heart = _heartbeat(timeout)
+    seq = heart.enter(what) if heart is not None else 0
+    try:
+        work = start()
+    except BaseException:
+        if heart is not None:
+            heart.leave(what, seq)
+        raise
+    return Pending(what, group, work, heart, seq, timeout, patient)
+
+
 def run(what: str, group: Any, start: Callable[[], Any], *, patient: bool = False) -> None:
     """Run one collective in bounded time.
 
@@ -270,34 +345,7 @@ def run(what: str, group: Any, start: Callable[[], Any], *, patient: bool = Fals
     :class:`~zerohooks.errors.CollectiveTimeoutError` naming this rank, the operation and the
     ranks at fault.  ``patient=True`` keeps waiting while every missing rank is alive.
     """
-    timeout = collective_timeout()
-    if timeout is None or dist.get_backend(group) != "gloo" or dist.get_world_size(group) == 1:
-        start().wait()
-        return
-    heart = _heartbeat(timeout)
-    seq = heart.enter(what) if heart is not None else 0
-    t0 = time.monotonic()
-    try:
-        work = start()
-        if patient:
-            _wait_patiently(work, heart, what, seq, group, timeout, t0)
-        else:
-            work.wait(timeout=datetime.timedelta(seconds=timeout))
-    except RuntimeError as e:
-        if isinstance(e, CollectiveTimeoutError):
-            raise
-        waited = time.monotonic() - t0
-        text = str(e)
-        if "timed out" in text.lower() or waited >= 0.95 * timeout:
-            cause = f"did not complete within the {timeout:g} s limit"
-        elif any(s in text for s in _PEER_GONE):
-            cause = f"failed: a peer went away ({text.splitlines()[0][:160]})"
-        else:
-            raise
-        raise CollectiveTimeoutError(_diagnose(heart, what, seq, group, waited, cause)) from e
-    finally:
-        if heart is not None:
-            heart.leave(what, seq)
+    begin(what, group, start, patient=patient).wait()
 
 
 def _wait_patiently(

@@ -12,6 +12,7 @@ the bytes differs), and removing a route hands the group back to the previous on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,14 +28,22 @@ _backend: Any = None
 _ids = iter(range(1 << 62))
 
 
-class _Done:
-    """The handle of a collective that already completed (``async_op=True`` callers wait on it)."""
+class _Handle:
+    """What an ``async_op=True`` caller gets: ``wait()`` completes the gather (once)."""
+
+    __slots__ = ("finish",)
+
+    def __init__(self, finish: Callable[[], None] | None) -> None:
+        self.finish = finish
 
     def wait(self, timeout: Any = None) -> bool:
+        finish, self.finish = self.finish, None
+        if finish is not None:
+            finish()
         return True
 
     def is_completed(self) -> bool:
-        return True
+        return self.finish is None
 
 
 class RouteHandle:
@@ -86,8 +95,12 @@ def _install(backend: Any) -> None:
             return original(
                 output_tensor=output_tensor, input_tensor=input_tensor, group=group, async_op=async_op
             )
-        stack[-1][1].all_gather(output_tensor, input_tensor, key)
-        return _Done() if async_op else None
+        finish = stack[-1][1].all_gather(output_tensor, input_tensor, key)
+        handle = _Handle(finish)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     backend.all_gather_into_tensor = all_gather_into_tensor
     _backend = backend
