@@ -65,6 +65,64 @@ def _check_bounds(topo: comm.Topology, seed: int) -> None:
             assert torch.all(err <= bound + rounding[lo:hi] + 1e-30), (topo, dtype, n)
 
 
+def _rows(t: torch.Tensor, owners: list[tuple[int, int]], W: int) -> torch.Tensor:
+    """``t``'s segments arranged one row per owner, padded with zeros to the longest row."""
+    counts = [sum(n for n, o in owners if o == k) for k in range(W)]
+    rows = torch.zeros(W, max(counts), dtype=t.dtype)
+    filled, off = [0] * W, 0
+    for n, o in owners:
+        rows[o, filled[o] : filled[o] + n] = t[off : off + n]
+        filled[o] += n
+        off += n
+    return rows
+
+
+def _check_owners(topo: comm.Topology, seed: int) -> None:
+    """ZeRO 1/2's reduce-to-owners: each rank's own segments within one reduce-scatter's bound of
+    the exact average, the other segments untouched, no all-gather; too much padding refused."""
+    W, r = topo.world, topo.rank
+    gen = torch.Generator().manual_seed(seed)  # the same layout on every rank
+    n = 30_011
+    cuts = sorted(torch.randperm(n - 1, generator=gen)[: 4 * W - 1].add(1).tolist())
+    lengths = [b - a for a, b in zip([0, *cuts], [*cuts, n], strict=True)]
+    owners = [
+        (length, int(o))
+        for length, o in zip(lengths, torch.randint(0, W, (len(lengths),), generator=gen), strict=True)
+    ]
+    counts = [sum(k for k, o in owners if o == rank) for rank in range(W)]
+    mine, every = _inputs(n, "fp32", seed)
+    state = LocoState(LocoConfig())
+    flat = mine.clone()
+    done = comm.quantized_reduce_to_owners(state, topo, flat, owners, "o", float(W))
+    assert done == (W * max(counts) <= comm.OWNER_PADDING * n), (counts, n)
+    if not done:
+        assert torch.equal(flat, mine) and not state.stats.current
+        owners = [(n // W + (k < n % W), k) for k in range(W)]  # balanced: must run
+        assert comm.quantized_reduce_to_owners(state, topo, flat, owners, "o2", float(W))
+    exact = torch.stack([t.double() for t in every]).sum(0) / W
+    levels = 2 if topo.two_level else 1
+    c = max(sum(k for k, o in owners if o == rank) for rank in range(W))
+    perm = [_rows(t, owners, W).reshape(-1) for t in every]
+    bound_rows = (levels * 1.1 * group_bound(perm, G, c, 7).double() / W).view(W, c)[r]
+    off = pos = 0
+    for length, o in owners:
+        got, want = flat[off : off + length].double(), exact[off : off + length]
+        if o == r:
+            bound = bound_rows[pos : pos + length]
+            assert torch.all((got - want).abs() <= bound + want.abs() * 2**-23 + 1e-30), (topo, off)
+            pos += length
+        else:
+            assert torch.equal(flat[off : off + length], mine[off : off + length]), (topo, off)
+        off += length
+    stats = state.stats.current
+    assert "wire:all_gather" not in stats and "wire:all_gather_inter" not in stats
+    assert stats["bf16_wire_bytes"] == round(2 * (W - 1) / W * 2 * n)  # against DeepSpeed's all-reduce
+    # too much padding (every segment to rank 0): refused, nothing sent, nothing changed
+    state, flat = LocoState(LocoConfig()), mine.clone()
+    assert not comm.quantized_reduce_to_owners(state, topo, flat, [(n, 0)], "o", float(W))
+    assert torch.equal(flat, mine) and not state.stats.current
+
+
 def _check_telescoping(topo: comm.Topology, seed: int) -> None:
     """beta = 0, fp32 errors: sum of results + every error buffer == sum of all true gradients."""
     W, N, L = topo.world, topo.nodes, topo.node_size
@@ -146,6 +204,7 @@ def test_flat_collectives_on_2_ranks() -> None:
     topo = comm.flat_topology(dist.group.WORLD)
     seed = _seed()
     _check_bounds(topo, seed)
+    _check_owners(topo, seed)
     _check_telescoping(topo, seed)
     _check_kernels_equal_reference(topo, seed)
     _check_bytes(topo)
@@ -172,6 +231,7 @@ def test_two_level_and_flat_collectives_on_4_ranks() -> None:
     assert (two.nodes, two.node_size, two.two_level) == (2, 2, True)
     for topo in (two, comm.flat_topology(dist.group.WORLD)):
         _check_bounds(topo, seed)
+        _check_owners(topo, seed)
         _check_telescoping(topo, seed)
         _check_kernels_equal_reference(topo, seed)
         _check_bytes(topo)

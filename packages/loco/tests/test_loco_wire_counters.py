@@ -1,5 +1,7 @@
 """zerohooks' counters report what loco really sends: the same bytes as ``plugin.stats``, split
-by collective and format, about 0.27 of what a bf16 baseline sends for the same parameters."""
+by collective and format, about 0.27 of what a bf16 reduce-scatter (ZeRO 3) sends for the same
+parameters, and about half that against ZeRO 1/2's bf16 all-reduce (loco reduces each slice to
+the rank that keeps it)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from _loco_common import ds_config, kernels, make_model, train
 
 import zerohooks
 from loco import LocoPlugin
+from loco.comm import OWNER_PADDING
 from zerohooks.counters import CommCounters
 from zerohooks.testing import distributed
 
@@ -66,16 +69,19 @@ def _check(stage: int) -> None:
     assert stats["wire:all_to_all"] > 0 and wire["all_to_all"]["int4 codes"] > 0, (case, wire)
     if stage == 3:  # LayerNorm weights and biases are below world * group elements: the exact path
         assert stats["wire:exact"] > 0, (case, stats)
-    else:
-        assert stats["wire:all_gather"] > 0, (case, stats)
+    else:  # each slice is reduced to the rank that keeps it (ZeRO 1/2): nothing is all-gathered
+        assert "wire:all_gather" not in stats, (case, stats)
     # an independent figure from the parameter count: 4 bits per element plus one fp32 scale per
-    # group of 128, on the same hops as the baseline: 0.25 + 2/128 = 0.266 of bf16 (plus padding
-    # to whole groups and the exact small tensors)
-    ideal = factor * n * (0.5 + 4 / G)
+    # group of 128, once over a reduce-scatter's hop: 0.25 + 2/128 = 0.266 of a bf16 reduce-scatter
+    # (ZeRO 3) and half that of ZeRO 1/2's bf16 all-reduce, plus padding to whole groups, the
+    # exact small tensors, and on ZeRO 1/2 the owners' rows padded to the longest
+    ideal = (W - 1) / W * n * (0.5 + 4 / G)
+    slack = 1.1 if stage == 3 else 1.1 * OWNER_PADDING
     loco_total = CommCounters.step_total(wire)
-    assert ideal <= loco_total <= 1.1 * ideal, (case, loco_total, ideal)
+    assert ideal <= loco_total <= slack * ideal, (case, loco_total, ideal)
     ratio = loco_total / base_total
-    assert 0.26 <= ratio <= 0.30, (case, ratio)
+    expected = (0.25 + 2 / G) * (W - 1) / W / factor
+    assert expected <= ratio <= slack * expected, (case, ratio)
 
 
 @pytest.mark.multirank

@@ -20,6 +20,11 @@ all-reduce (ZeRO 0/1/2): steps 1-3, then the owner of each chunk sums, adds its 
 requantizes the reduced chunk, and an all-gather gives every rank every chunk, which each rank
 decodes into the bucket in place: all ranks end with the same values.
 
+reduce to owners (ZeRO 1/2, :func:`quantized_reduce_to_owners`): DeepSpeed all-reduces buckets
+of gradient slices but each rank keeps only the slices of its partition, so the slices are
+arranged one row per owning rank and reduce-scattered (steps 1-4): each owner gets its slices
+and nothing is all-gathered.
+
 all-gather (:func:`all_gather`: the all-reduce's last hop, and DeepSpeed's parameter all-gathers
 when loco owns them), two-level: first among the ranks of the same local index, one per node, so
 each chunk crosses to every other node once, then within the node.  Per node, (N-1)/N of the
@@ -56,6 +61,7 @@ __all__ = [
     "flat_topology",
     "quantized_all_reduce",
     "quantized_reduce_scatter",
+    "quantized_reduce_to_owners",
     "two_level_topology",
 ]
 
@@ -239,10 +245,9 @@ def _columns(
     return q[:, q_off : q_off + p.cpad * bits // 8], s[:, s_off : s_off + p.cpad // G]
 
 
-def quantized_reduce_scatter(
+def _scatter_parts(
     state: LocoState, topo: Topology, tensors: Sequence[torch.Tensor], keys: Sequence[str], divisor: float
 ) -> list[torch.Tensor]:
-    """This rank's chunk (ZeRO 3 partitioning) of each tensor's sum over ranks, / ``divisor``."""
     W, r = topo.world, topo.rank
     chunks = [math.ceil(t.numel() / W) for t in tensors]
     plans, q, s = _send_receive(state, topo, tensors, keys, chunks)
@@ -252,8 +257,61 @@ def quantized_reduce_scatter(
         qc, sc = _columns(q, s, p, state.bits, state.group_size, topo.two_level)
         ops.dequant_reduce(qc, sc, state.bits, state.group_size, divisor, part, use_kernels=state.use_kernels)
         out.append(part)
-        state.stats.reduced(p.numel, "reduce_scatter", W)
     return out
+
+
+def quantized_reduce_scatter(
+    state: LocoState, topo: Topology, tensors: Sequence[torch.Tensor], keys: Sequence[str], divisor: float
+) -> list[torch.Tensor]:
+    """This rank's chunk (ZeRO 3 partitioning) of each tensor's sum over ranks, / ``divisor``."""
+    out = _scatter_parts(state, topo, tensors, keys, divisor)
+    for t in tensors:
+        state.stats.reduced(t.numel(), "reduce_scatter", topo.world)
+    return out
+
+
+OWNER_PADDING = 1.25
+""":func:`quantized_reduce_to_owners` runs when the owners' rows, padded to the largest, hold at
+most this many times the bucket's elements (ZeRO 1/2's partitions split a bucket evenly when it
+holds the whole model, but a bucket smaller than the model may belong mostly to one rank)."""
+
+
+def quantized_reduce_to_owners(
+    state: LocoState,
+    topo: Topology,
+    flat: torch.Tensor,
+    owners: Sequence[tuple[int, int]],
+    key: str,
+    divisor: float,
+) -> bool:
+    """Reduce each segment of ``flat`` (``owners``: ``(numel, rank)`` per consecutive segment)
+    to the rank that uses it, in place on that rank, / ``divisor``; the other segments keep this
+    rank's values.  The segments are gathered into one row per owner, padded to the longest, and
+    reduce-scattered (steps 1-4): no all-gather.  Returns False, doing nothing, when the padding
+    would exceed :data:`OWNER_PADDING`."""
+    W, r = topo.world, topo.rank
+    counts = [0] * W
+    for n, rank in owners:
+        counts[rank] += n
+    c = max(counts)
+    if c == 0 or W * c > OWNER_PADDING * flat.numel():
+        return False
+    rows = torch.zeros(W, c, dtype=flat.dtype, device=flat.device)
+    filled = [0] * W
+    off = 0
+    for n, rank in owners:
+        rows[rank, filled[rank] : filled[rank] + n] = flat[off : off + n]
+        filled[rank] += n
+        off += n
+    (mine,) = _scatter_parts(state, topo, [rows.view(-1)], [key], divisor)
+    off = pos = 0
+    for n, rank in owners:
+        if rank == r:
+            flat[off : off + n] = mine[pos : pos + n]
+            pos += n
+        off += n
+    state.stats.reduced(flat.numel(), "all_reduce", W)  # the baseline: DeepSpeed all-reduces it
+    return True
 
 
 def quantized_all_reduce(

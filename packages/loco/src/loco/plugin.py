@@ -76,7 +76,10 @@ class LocoReducer(GradientReducer):
             divisor = float(bucket.world_size) if bucket.average else 1.0
             if topo.world == 1 or flat.numel() < small:
                 comm.exact_all_reduce(state, topo, flat, divisor)
-            else:
+            elif not (
+                bucket.owners
+                and comm.quantized_reduce_to_owners(state, topo, flat, bucket.owners, f"o{index}", divisor)
+            ):
                 comm.quantized_all_reduce(state, topo, flat, f"w{index}", divisor)
             return None
         tensors = list(bucket.tensors)

@@ -186,6 +186,12 @@ class ReduceBucket:
     """Size of ``group``."""
     average: bool
     """Divide the sum by ``world_size`` (False when DeepSpeed already pre-divided the inputs)."""
+    owners: Sequence[tuple[int, int]] = ()
+    """``all_reduce`` only, may be empty: ``(numel, rank)`` per consecutive segment of
+    ``tensors[0]`` (covering it), the one rank of ``group`` that uses that segment's result
+    (ZeRO 1/2 keep the reduced gradients of their own partition only).  A reducer may then leave
+    the other ranks' segments as they were on this rank; one that ignores ``owners`` all-reduces,
+    which is always correct.  Empty: every rank uses every element."""
 
 
 class PrepareModelHook(Protocol):

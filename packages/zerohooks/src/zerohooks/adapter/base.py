@@ -126,15 +126,25 @@ class Attachment:
             fn(param, ctx)
 
     def owner_all_reduce(
-        self, flat: torch.Tensor, group: Any, average: bool, params: Any = (), collective: str = "all_reduce"
+        self,
+        flat: torch.Tensor,
+        group: Any,
+        average: bool,
+        params: Any = (),
+        collective: str = "all_reduce",
+        owners: Any = (),
     ) -> None:
         """Hand one flat tensor to the owning reducer (in place), in place of DeepSpeed's
-        ``collective`` (counted on the wire as that collective if the owner reports nothing)."""
+        ``collective`` (counted on the wire as that collective if the owner reports nothing);
+        ``owners``: see :attr:`ReduceBucket.owners`."""
         reducer = self.registry.reducer.owner
         assert reducer is not None
         world = torch.distributed.get_world_size(group=group)
         reports = self.counters.wire_reports
-        reducer.reduce(ReduceBucket("all_reduce", [flat], list(params), flat.dtype, group, world, average))
+        bucket = ReduceBucket(
+            "all_reduce", [flat], list(params), flat.dtype, group, world, average, tuple(owners)
+        )
+        reducer.reduce(bucket)
         if self.counters.wire_reports == reports:
             self.counters.add_default_wire(collective, flat.dtype, flat.numel() * flat.element_size(), world)
 

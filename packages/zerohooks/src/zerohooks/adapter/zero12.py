@@ -69,6 +69,35 @@ def install(att: Attachment) -> None:
             f"{reg.reducer.name!r} owns the gradient collective, which does not support sequence parallelism"
         )
 
+    # Who uses each slice of the bucket being all-reduced: DeepSpeed's multi-rank bucket path
+    # (use_multi_rank_bucket_allreduce, the default) all-reduces a bucket of slices and each rank
+    # keeps the slices of its own partition; the owner may then reduce each slice to its owner.
+    slice_owners: list[list[tuple[int, int]] | None] = []
+
+    def make_multi(original: Callable[..., Any]) -> Callable[..., Any]:
+        def allreduce_and_copy_with_multiple_ranks(small_bucket: Any, *args: Any, **kwargs: Any) -> Any:
+            ranks = kwargs.get("bucket_ranks", args[4] if len(args) > 4 else None)
+            owners: list[tuple[int, int]] | None = []
+            for t, r in zip(small_bucket, ranks or (), strict=False):
+                if isinstance(r, frozenset):
+                    r = next(iter(r)) if len(r) == 1 else None
+                if not isinstance(r, int) or owners is None:
+                    owners = None
+                    continue
+                owners.append((t.numel(), r))
+            if ranks is None or len(ranks) != len(small_bucket):
+                owners = None
+            slice_owners.append(owners)
+            try:
+                return original(small_bucket, *args, **kwargs)
+            finally:
+                slice_owners.pop()
+
+        return allreduce_and_copy_with_multiple_ranks
+
+    if owner:
+        att.patch(opt, "allreduce_and_copy_with_multiple_ranks", make_multi, _OPT)
+
     def make_bucket(original: Callable[..., Any]) -> Callable[..., Any]:
         # Every gradient collective of ZeRO 1/2 (the IPG path through average_tensor and the
         # non-contiguous fallbacks) ends in allreduce_bucket: one flat tensor per call.
@@ -91,7 +120,11 @@ def install(att: Attachment) -> None:
                 return original(bucket, communication_data_type, rank, log, divide, process_group)
             tensor = opt.flatten(bucket)
             flat = tensor if tensor.dtype == communication_data_type else tensor.to(communication_data_type)
-            att.owner_all_reduce(flat, group, bool(divide and opt.gradient_average), collective=collective)
+            owners = slice_owners[-1] if slice_owners and rank is None else None
+            if owners is not None and sum(n for n, _ in owners) != flat.numel():
+                owners = None
+            average = bool(divide and opt.gradient_average)
+            att.owner_all_reduce(flat, group, average, collective=collective, owners=owners or ())
             if flat is not tensor:
                 tensor.copy_(flat)
             return flat
