@@ -73,3 +73,42 @@ def test_routes_serve_their_groups_only_and_come_off() -> None:
     assert "all_gather_into_tensor" not in vars(ds_comm.cdb)  # DeepSpeed's method again
     assert torch.equal(_gathered(None, async_op=False), expected)
     assert len(old.served) == 1
+
+
+class _FinishLater(ParameterGatherer):
+    """Gathers in its finish step (a collective of its own, as loco's within-node hop)."""
+
+    @override
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Any) -> Any:
+        src = input.clone()
+        return lambda: dist.all_gather_into_tensor(output, src, group=group)
+
+
+@pytest.mark.multirank
+@distributed(world_size=2, timeout=180)
+def test_finish_steps_run_in_issue_order_whatever_the_wait_order() -> None:
+    """ZeRO 3 waits the handles of one module's parameters in a set's order, which differs
+    between ranks; the finish steps must still pair the same gathers on every rank."""
+    import deepspeed
+    from deepspeed import comm as ds
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    handle = gather.route([None], _FinishLater())
+    try:
+        outs, handles = [], []
+        for k in range(3):  # equal sizes: pairing the wrong gathers would swap data silently
+            out = torch.empty(4)
+            handles.append(ds.all_gather_into_tensor(out, torch.full((2,), 10.0 * k + rank), async_op=True))
+            outs.append(out)
+        assert not any(h.is_completed() for h in handles)
+        for i in (2, 0, 1) if rank == 0 else (1, 2, 0):
+            handles[i].wait()
+        assert all(h.is_completed() for h in handles)
+        sync = torch.empty(4)
+        ds.all_gather_into_tensor(sync, torch.full((2,), 7.0 + rank))  # a synchronous call after them
+    finally:
+        handle.remove()
+    for k, out in enumerate(outs):
+        assert torch.equal(out, torch.tensor([10.0 * k, 10.0 * k, 10.0 * k + 1, 10.0 * k + 1])), (k, out)
+    assert torch.equal(sync, torch.tensor([7.0, 7.0, 8.0, 8.0]))

@@ -106,16 +106,18 @@ class LocoReducer(GradientReducer):
 
 class LocoGatherer(ParameterGatherer):
     """Owner of DeepSpeed's parameter all-gathers: two-level (:func:`loco.comm.all_gather`) on
-    the whole-world group; a smaller group (not expected: only the engine's data-parallel groups
-    are routed here) is gathered flat."""
+    a group of the whole world; a smaller data-parallel group (tensor or pipeline parallelism)
+    is gathered flat, as DeepSpeed would."""
 
-    def __init__(self, state: LocoState, topology: Callable[[Any], comm.Topology]) -> None:
+    def __init__(self, state: LocoState, two_level: Callable[[], comm.Topology | None]) -> None:
         self.state = state
-        self.topology = topology
+        self.two_level = two_level
 
     @override
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Any) -> Callable[[], None]:
-        topo = self.topology(group)
+        two = self.two_level()
+        whole = two is not None and dist.get_world_size(group=group) == two.world
+        topo = two if whole and two is not None else comm.flat_topology(group)
         nbytes = input.numel() * input.element_size()
         hops, finish = comm.begin_all_gather(topo, output, input, "loco parameter all_gather")
         for hop, copies in hops.items():
@@ -221,7 +223,7 @@ class LocoPlugin(ZeroPlugin):
             and ctx.zero_stage > 0
             and _two_level_wanted(self.cfg, world, node)
         ):
-            registry.register_gatherer(LocoGatherer(self.state, self._topology), name=self.name)
+            registry.register_gatherer(LocoGatherer(self.state, lambda: self._two_level), name=self.name)
         registry.register_after_step(self._after_step, name=self.name)
         registry.register_state(self, name=self.name)
 

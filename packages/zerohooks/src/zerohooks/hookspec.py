@@ -347,7 +347,12 @@ class ParameterGatherer(abc.ABC):
         Return None when ``output`` is complete on return, or a callable that completes it: the
         adapter calls it once, when DeepSpeed waits on the collective's handle (ZeRO 3 issues
         its gathers ahead of use and waits later, so the transfer overlaps compute), or at once
-        for a synchronous call.
+        for a synchronous call.  Finish steps run in the order the gathers were issued, the same
+        on every rank (waiting on one first finishes the older ones), so a finish step may run
+        collectives of its own.
+
+        Every ``all_gather_into_tensor`` DeepSpeed issues on a routed group comes here, not only
+        the parameters' (ZeRO 3's partitioned-buffer and fp32-state gathers use the same groups).
         """
 
 

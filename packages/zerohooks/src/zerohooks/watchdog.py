@@ -293,12 +293,14 @@ class Pending:
         if timeout is None:
             self.work.wait()
             return
+        # the limit counts from the wait: a collective issued early (ZeRO 3 prefetches) and
+        # waited after a long stretch of compute is not failed for a merely late peer
+        self.t0 = time.monotonic()
         try:
             if self.patient:
                 _wait_patiently(self.work, heart, self.what, self.seq, self.group, timeout, self.t0)
             else:
-                left = max(0.001, timeout - (time.monotonic() - self.t0))
-                self.work.wait(timeout=datetime.timedelta(seconds=left))
+                self.work.wait(timeout=datetime.timedelta(seconds=timeout))
         except RuntimeError as e:
             if isinstance(e, CollectiveTimeoutError):
                 raise
@@ -321,7 +323,7 @@ class Pending:
 def begin(what: str, group: Any, start: Callable[[], Any], *, patient: bool = False) -> Pending:
     """Issue one collective (``start()`` issues it with ``async_op=True`` and returns its work
     handle) and return at once; the returned :class:`Pending`'s ``wait()`` is :func:`run`'s wait,
-    bounded from the moment the collective was issued.  For overlapping a collective with work."""
+    bounded from the moment it is called.  For overlapping a collective with work."""
     timeout = collective_timeout()
     if timeout is None or dist.get_backend(group) != "gloo" or dist.get_world_size(group) == 1:
         return Pending(what, group, start(), None, 0, None, patient)

@@ -12,6 +12,7 @@ the bytes differs), and removing a route hands the group back to the previous on
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from typing import Any
 
@@ -29,21 +30,36 @@ _ids = iter(range(1 << 62))
 
 
 class _Handle:
-    """What an ``async_op=True`` caller gets: ``wait()`` completes the gather (once)."""
+    """What an ``async_op=True`` caller gets: ``wait()`` completes the gather (once).
+
+    Finish steps run in issue order, whatever order the caller waits in: waiting on a handle
+    first finishes every older unfinished one.  A finish step may itself be a collective (loco's
+    within-node hop), and DeepSpeed does not wait in the same order on every rank (ZeRO 3 waits
+    the handles of a module's parameters in the order of a ``set``, which follows memory
+    addresses), so finishing in wait order could pair different gathers on different ranks.
+    The issue order is the same on every rank."""
 
     __slots__ = ("finish",)
 
     def __init__(self, finish: Callable[[], None] | None) -> None:
         self.finish = finish
+        if finish is not None:
+            _unfinished.append(self)
 
     def wait(self, timeout: Any = None) -> bool:
-        finish, self.finish = self.finish, None
-        if finish is not None:
-            finish()
+        while self.finish is not None:
+            oldest = _unfinished.popleft()
+            finish, oldest.finish = oldest.finish, None
+            if finish is not None:
+                finish()
         return True
 
     def is_completed(self) -> bool:
         return self.finish is None
+
+
+_unfinished: collections.deque[_Handle] = collections.deque()
+"""Handles whose finish step has not run, oldest first."""
 
 
 class RouteHandle:
