@@ -32,11 +32,14 @@ def check_loco(rank: dict[str, Any]) -> None:
     assert rank["reducer"] == "loco"
     assert rank["loco"], "loco counted no step"
     for stats in rank["loco"]:
-        # the oracle: a bf16 ring all-reduce of every gradient element of every micro-step
+        # the oracle: a bf16 ring all-reduce of every gradient element of every micro-step; loco
+        # sends 0.266 of it per hop, and reduces a bucket to the ranks that keep its slices in
+        # one hop (0.133) or all-reduces it in two (0.266) when the slices are too uneven
         bf16_ring = 2 * (WORLD - 1) / WORLD * BF16 * rank["numel"] * GAS
         ratio = stats["wire_bytes"] / bf16_ring
-        assert 0.25 <= ratio <= 0.29, (
-            f"loco sent {ratio:.4f}x the bytes of a bf16 all-reduce (expected ~0.27)"
+        high = 0.29 if "wire:all_gather" in stats else 0.18
+        assert 0.125 <= ratio <= high, (
+            f"loco sent {ratio:.4f}x the bytes of a bf16 all-reduce (expected 0.133-0.27; stats {stats})"
         )
 
 

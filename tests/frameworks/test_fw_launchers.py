@@ -64,7 +64,9 @@ def _check(ranks: list[dict[str, Any]]) -> None:
     for rank in ranks:
         assert rank["attached"], "zerohooks.run did not route deepspeed.initialize through zerohooks"
         assert rank["plugins"] == ["accumdtype", "loco"]
-        assert 0.25 <= rank["loco"]["ratio"] <= 0.29, rank["loco"]
+        # 0.266 of a bf16 all-reduce per hop: one hop reduced to the slices' owners (ZeRO 2), two
+        # when a bucket is all-reduced
+        assert 0.125 <= rank["loco"]["ratio"] <= 0.29, rank["loco"]
         assert rank["collective_bytes_last_step"] and set(rank["collective_bytes_last_step"]) == {"float32"}
 
 

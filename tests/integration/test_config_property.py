@@ -178,6 +178,7 @@ TABLES: dict[str, dict[str, dict[str, list[Any]]]] = {
         "exact_below": {V: [None, 0, 4096], L: ["10", 10.0], X: [-1, 1.5, "x", NAN, INF]},
         "error_feedback": BOOL,
         "hierarchy": {V: ["detect", "flat", "auto"], R: ["two_level"], X: ["Flat", "tree", 2, None]},
+        "parameter_gather": {V: ["two_level", "deepspeed"], X: ["Two_Level", "ring", "auto", 2, None]},
         "node_size": {V: [None, 1, 2, 8], L: ["2", 2.0], X: [0, -1, 1.5, "x"]},
         "on_skip": {V: ["restore", "reset"], X: ["skip", None, 1, "Restore"]},
         "kernels": {V: ["compiled", "reference", "auto"], X: ["cuda", "Reference", None, 1]},

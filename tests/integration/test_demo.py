@@ -61,16 +61,18 @@ def test_demo_trains_and_reports(tmp_path: Path) -> None:
     # the baseline's all-reduce sends 2 (W-1)/W of its input per rank: as much as it hands over on 2 ranks
     for step in baseline["wire_bytes"]:
         assert set(step) == {"all_reduce"} and abs(_total(step) - 2 * n_params * 2) <= 4, step
-    # loco sends 4-bit codes and fp32 scales: about 0.27 of the baseline
+    # loco sends 4-bit codes and fp32 scales (0.266 of bf16 per hop) and, on the demo's ZeRO 2,
+    # reduces each slice to the rank that keeps it: one hop where the all-reduce takes two
     assert {"int4 codes", "float32 scales"} <= set(loco["wire_bytes"][-1]["all_to_all"])
+    assert all("all_gather" not in step for step in loco["wire_bytes"])
     ratio = sum(map(_total, loco["wire_bytes"])) / sum(map(_total, baseline["wire_bytes"]))
-    assert 0.2 <= ratio <= 0.35, ratio
+    assert 0.266 / 2 * 0.95 <= ratio <= 0.266 / 2 * 1.3, ratio
 
     report = (out / "report.md").read_text()
     # the ratio in the table is the one computed from the counters
     row = next(ln for ln in report.splitlines() if ln.startswith("| loco |"))
     (shown,) = re.findall(r"\| (\d+\.\d+)x \|", row)
-    assert 0.2 <= float(shown) <= 0.35 and abs(float(shown) - ratio) < 1e-3, row
+    assert abs(float(shown) - ratio) < 1e-3, row
     assert "wire vs baseline" in report and "sent on the wire" in report
     # the report names the command that ran and the wall time of that command
     (command,) = re.findall(r"^Command: `(.*)`", report, flags=re.M)
