@@ -558,6 +558,23 @@ __attribute__((always_inline)) inline void run4_zmm(int64_t begin, int64_t end, 
     if (end > begin) requant_err_zmm<NV>(enp, finp, einvp, static_cast<int8_t*>(e.data) + (end - 1) * G);
 }
 
+// The end of stage 1 on both paths: with an int8 error, ep = deQ(e) of group gi and x += ep;
+// returns the max bits of |x|
+template <int NV, int EK>
+__attribute__((always_inline)) inline uint32_t add_error_absmax16(const ErrBuf& e, int64_t gi, __m512 (&x)[NV],
+                                                                  __m512 (&ep)[NV]) {
+  if constexpr (EK == kErrInt8) {
+    const int8_t* ec = static_cast<const int8_t*>(e.data) + gi * 16 * NV;
+    const __m512 vs = _mm512_set1_ps(e.scale[gi]);
+    for (int v = 0; v < NV; ++v) {
+      const __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ec + 16 * v)));
+      ep[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(c), vs);
+      x[v] = _mm512_add_ps(x[v], ep[v]);
+    }
+  }
+  return absmax_bits16<NV>(x);
+}
+
 // 16 float32 values from element i of a float32 / bfloat16 / float16 array (exact)
 template <int DT>
 inline __m512 load16(const void* p, int64_t i) {
@@ -595,16 +612,7 @@ void qef4_avx512(For&& parallel, const void* g, int64_t n, int64_t row_len, int6
         return m;
       }
       for (int v = 0; v < NV; ++v) x[v] = load16<DT>(g, start + 16 * v);
-      if constexpr (EK == kErrInt8) {
-        const int8_t* ec = static_cast<const int8_t*>(e.data) + gi * G;
-        const __m512 vs = _mm512_set1_ps(e.scale[gi]);
-        for (int v = 0; v < NV; ++v) {
-          const __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ec + 16 * v)));
-          ep[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(c), vs);
-          x[v] = _mm512_add_ps(x[v], ep[v]);
-        }
-      }
-      return absmax_bits16<NV>(x);
+      return add_error_absmax16<NV, EK>(e, gi, x, ep);
     };
     run4_zmm<NV, EK>(begin, end, gpr, dst, e, b, omb, load);
   });

@@ -173,16 +173,7 @@ __attribute__((always_inline)) inline uint32_t drr4_sum(const Rows& rows, const 
       x[v + NH] = s == 0 ? hi : _mm512_add_ps(x[v + NH], hi);
     }
   }
-  if constexpr (EK == kErrInt8) {
-    const int8_t* ec = static_cast<const int8_t*>(e.data) + gi * G;
-    const __m512 vs = _mm512_set1_ps(e.scale[gi]);
-    for (int v = 0; v < NV; ++v) {
-      const __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ec + 16 * v)));
-      ep[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(c), vs);
-      x[v] = _mm512_add_ps(x[v], ep[v]);
-    }
-  }
-  return absmax_bits16<NV>(x);
+  return add_error_absmax16<NV, EK>(e, gi, x, ep);
 }
 
 // the whole operator on this path (G = 16 * NV), destinations as dequant_reduce_requant's
