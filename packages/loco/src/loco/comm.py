@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loco import ops
+from loco import ops, p2p
 from loco.reference import padded_row_len
 from loco.state import LocoState, error_buffer, workspace
 from zerohooks import watchdog
@@ -161,7 +161,7 @@ def _a2a(
     state: LocoState, name: str, out: torch.Tensor, inp: torch.Tensor, group: Any, size: int, q_bytes: int
 ) -> None:
     """All-to-all of ``size`` rows of ``q_bytes`` code bytes then fp32 scales, counted."""
-    watchdog.run(f"loco {name}", group, lambda: dist.all_to_all_single(out, inp, group=group, async_op=True))
+    watchdog.run(f"loco {name}", group, lambda: _all_to_all(out, inp, group))
     row = inp.numel() // size
     parts = {_codes(state): (size - 1) * q_bytes, "float32 scales": (size - 1) * (row - q_bytes)}
     state.stats.collective(name, inp.numel(), (size - 1) * row, parts)
@@ -233,6 +233,21 @@ def _send_receive(
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns); older torch has only that one
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
+    """Issue an equal-split all-to-all: point to point on gloo (see :mod:`loco.p2p`)."""
+    if p2p.preferred(group):
+        return p2p.all_to_all_single(out, inp, group)
+    return dist.all_to_all_single(out, inp, group=group, async_op=True)
+
+
+def _gather_across(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
+    """Issue the all-gather among one rank per node: point to point on gloo."""
+    if p2p.preferred(group):
+        return p2p.all_gather(out, inp, group)
+    return _all_gather(out, inp, group=group, async_op=True)
+
 
 _EMPTY_I8 = torch.empty(0, dtype=torch.int8)
 _EMPTY_F32 = torch.empty(0, dtype=torch.float32)
@@ -386,7 +401,7 @@ def begin_all_gather(
         return {"all_gather": W - 1}, finish_flat
     across = torch.empty(N * m, dtype=src.dtype, device=src.device)
     first = watchdog.begin(
-        f"{what} across nodes", topo.inter, lambda: _all_gather(across, src, group=topo.inter, async_op=True)
+        f"{what} across nodes", topo.inter, lambda: _gather_across(across, src, topo.inter)
     )
 
     def finish() -> None:
@@ -433,7 +448,7 @@ def exact_reduce_scatter(
     watchdog.run(
         "loco exact all_to_all",
         topo.group,
-        lambda: dist.all_to_all_single(recv, send, group=topo.group, async_op=True),
+        lambda: _all_to_all(recv, send, topo.group),
     )
     wire = (W - 1) * width * send.element_size()
     parts = {_dtype_name(dtype): wire}
