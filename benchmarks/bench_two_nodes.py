@@ -16,7 +16,10 @@ loopback, unshaped, as on a real machine.  The demo GPT (examples/gpt.py; d_mode
   torchrun's LOCAL_WORLD_SIZE); on ZeRO 1-3 loco also all-gathers the parameters, two-level
   (``parameter_gather``, the default);
 * ``loco-two-level-dsgather`` (when ``--runs`` names it): the same with ``parameter_gather:
-  deepspeed``, DeepSpeed's ring all-gather of the parameters.
+  deepspeed``, DeepSpeed's ring all-gather of the parameters;
+* ``loco-two-level-collective`` (when ``--runs`` names it): the same with ``gloo_exchange:
+  collective``, gloo's all-to-all and all-gather collectives instead of loco's point-to-point
+  exchanges.
 
 DeepSpeed's own 4-bit gradients (ZeRO++ ``zero_quantized_gradients``, ZeRO 3 only) are tried
 once before anything starts: on CPU DeepSpeed has no quantizer op, so it is reported as not
@@ -61,6 +64,7 @@ RUNS = (
     "loco-flat",
     "loco-two-level",
     "loco-two-level-dsgather",
+    "loco-two-level-collective",
     "deepspeed-bf16-hpz",
     "loco-two-level-hpz",
 )
@@ -93,6 +97,8 @@ def _run_config(name: str, stage: int, model_dtype: str = "fp32") -> dict[str, A
         cfg["loco"] = {"hierarchy": "detect"}
         if name.endswith("-dsgather"):
             cfg["loco"]["parameter_gather"] = "deepspeed"
+        if name.endswith("-collective"):
+            cfg["loco"]["gloo_exchange"] = "collective"
     if name.endswith("-hpz"):
         cfg["zero_optimization"]["zero_hpz_partition_size"] = LOCAL
     return cfg

@@ -179,6 +179,7 @@ TABLES: dict[str, dict[str, dict[str, list[Any]]]] = {
         "error_feedback": BOOL,
         "hierarchy": {V: ["detect", "flat", "auto"], R: ["two_level"], X: ["Flat", "tree", 2, None]},
         "parameter_gather": {V: ["two_level", "deepspeed"], X: ["Two_Level", "ring", "auto", 2, None]},
+        "gloo_exchange": {V: ["point_to_point", "collective"], X: ["p2p", "Collective", "auto", 1, None]},
         "node_size": {V: [None, 1, 2, 8], L: ["2", 2.0], X: [0, -1, 1.5, "x"]},
         "on_skip": {V: ["restore", "reset"], X: ["skip", None, 1, "Restore"]},
         "kernels": {V: ["compiled", "reference", "auto"], X: ["cuda", "Reference", None, 1]},

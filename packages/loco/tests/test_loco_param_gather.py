@@ -1,7 +1,8 @@
 """loco's two-level parameter all-gather (``parameter_gather``) in real ZeRO 1/2/3 engines.
 
 The oracle is DeepSpeed's own all-gather: the same loco engine with ``parameter_gather:
-"deepspeed"`` must give the same losses and weights bit for bit (the all-gather is a lossless
+"deepspeed"`` (and gloo's collectives for its gradient exchanges, ``gloo_exchange:
+"collective"``) must give the same losses and weights bit for bit (the all-gather is a lossless
 re-routing), while the counters show that loco carried the gathers, each rank sending its
 partition once to the other node and its node's partitions once within the node.
 """
@@ -27,9 +28,14 @@ def _build() -> None:
 
 
 def _run(
-    stage: int, dtype: str, gather: str, **zero: Any
+    stage: int, dtype: str, gather: str, exchange: str, **zero: Any
 ) -> tuple[list[float], list[torch.Tensor], LocoPlugin]:
-    loco = {"hierarchy": "two_level", "node_size": NODE, "parameter_gather": gather}
+    loco = {
+        "hierarchy": "two_level",
+        "node_size": NODE,
+        "parameter_gather": gather,
+        "gloo_exchange": exchange,
+    }
     cfg = ds_config(stage, dtype, gas=2, loco=loco)
     cfg["zero_optimization"].update(zero)
     model = make_model(3)
@@ -38,6 +44,8 @@ def _run(
     assert att is not None
     (plugin,) = [p for p in att.plugins if isinstance(p, LocoPlugin)]
     assert att.registry.summary()["gatherer"] == (["loco"] if gather == "two_level" else [])
+    two = plugin._two_level
+    assert two is not None and two.point_to_point == (exchange == "point_to_point")
     losses = train(engine, 3, 2)
     if stage == 3:
         from deepspeed.runtime.zero.partition_parameters import GatheredParameters
@@ -58,9 +66,11 @@ def _backend_is_deepspeeds() -> bool:
 
 def _check(stage: int, dtype: str, **zero: Any) -> None:
     case = f"stage {stage} {dtype} {zero}"
-    ours, w_ours, plugin = _run(stage, dtype, "two_level", **zero)
+    # the oracle also keeps gloo's collectives for loco's gradient exchanges (loco.p2p's are
+    # the same rows): both of this rank's results must match bit for bit
+    ours, w_ours, plugin = _run(stage, dtype, "two_level", "point_to_point", **zero)
     assert _backend_is_deepspeeds(), f"{case}: the route outlived the engine"
-    theirs, w_theirs, other = _run(stage, dtype, "deepspeed", **zero)
+    theirs, w_theirs, other = _run(stage, dtype, "deepspeed", "collective", **zero)
     assert ours == theirs, (case, ours, theirs)
     for a, b in zip(w_ours, w_theirs, strict=True):
         assert torch.equal(a, b), case

@@ -79,18 +79,21 @@ class Topology:
     """Process group of this rank's node (the whole group when flat)."""
     inter: Any
     """Process group of the ranks with this rank's local index, one per node (None when flat)."""
+    point_to_point: bool = True
+    """On gloo, issue all-to-alls and the cross-node all-gather hop as sends and receives
+    (:mod:`loco.p2p`); False keeps gloo's collectives (the config's ``gloo_exchange``)."""
 
     @property
     def two_level(self) -> bool:
         return self.nodes > 1
 
 
-def flat_topology(group: Any) -> Topology:
+def flat_topology(group: Any, point_to_point: bool = True) -> Topology:
     world = dist.get_world_size(group=group)
-    return Topology(group, world, dist.get_rank(group=group), 1, world, group, None)
+    return Topology(group, world, dist.get_rank(group=group), 1, world, group, None, point_to_point)
 
 
-def two_level_topology(node_size: int) -> Topology:
+def two_level_topology(node_size: int, point_to_point: bool = True) -> Topology:
     """Topology of the default group with nodes of ``node_size`` ranks.  Collective: every rank
     creates every node group and every cross-node group, in the same order."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -98,7 +101,7 @@ def two_level_topology(node_size: int) -> Topology:
         raise ValueError(f"loco: node_size {node_size} does not divide the world size {world}")
     nodes = world // node_size
     if nodes == 1:
-        return flat_topology(dist.group.WORLD)
+        return flat_topology(dist.group.WORLD, point_to_point)
     intra = inter = None
     for n in range(nodes):
         g = dist.new_group(list(range(n * node_size, (n + 1) * node_size)))
@@ -108,7 +111,7 @@ def two_level_topology(node_size: int) -> Topology:
         g = dist.new_group(list(range(local, world, node_size)))
         if local == rank % node_size:
             inter = g
-    return Topology(dist.group.WORLD, world, rank, nodes, node_size, intra, inter)
+    return Topology(dist.group.WORLD, world, rank, nodes, node_size, intra, inter, point_to_point)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,10 +161,17 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _a2a(
-    state: LocoState, name: str, out: torch.Tensor, inp: torch.Tensor, group: Any, size: int, q_bytes: int
+    state: LocoState,
+    topo: Topology,
+    name: str,
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    group: Any,
+    size: int,
+    q_bytes: int,
 ) -> None:
     """All-to-all of ``size`` rows of ``q_bytes`` code bytes then fp32 scales, counted."""
-    watchdog.run(f"loco {name}", group, lambda: _all_to_all(out, inp, group))
+    watchdog.run(f"loco {name}", group, lambda: _all_to_all(topo, out, inp, group))
     row = inp.numel() // size
     parts = {_codes(state): (size - 1) * q_bytes, "float32 scales": (size - 1) * (row - q_bytes)}
     state.stats.collective(name, inp.numel(), (size - 1) * row, parts)
@@ -203,7 +213,7 @@ def _send_receive(
             use_kernels=state.use_kernels,
         )
     recv = workspace(state, "recv1", L * row, device)
-    _a2a(state, "all_to_all", recv, send, topo.intra, L, q_bytes)
+    _a2a(state, topo, "all_to_all", recv, send, topo.intra, L, q_bytes)
     recv_q, recv_s = _rows(recv, L, q_bytes)
     if not topo.two_level:
         return plans, recv_q, recv_s
@@ -226,7 +236,7 @@ def _send_receive(
             use_kernels=state.use_kernels,
         )
     recv2 = workspace(state, "recv2", N * row2, device)
-    _a2a(state, "all_to_all_inter", recv2, send2, topo.inter, N, q2_bytes)
+    _a2a(state, topo, "all_to_all_inter", recv2, send2, topo.inter, N, q2_bytes)
     q2, s2 = _rows(recv2, N, q2_bytes)
     return plans, q2, s2
 
@@ -235,16 +245,16 @@ def _send_receive(
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
+def _all_to_all(topo: Topology, out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
     """Issue an equal-split all-to-all: point to point on gloo (see :mod:`loco.p2p`)."""
-    if p2p.preferred(group):
+    if topo.point_to_point and p2p.preferred(group):
         return p2p.all_to_all_single(out, inp, group)
     return dist.all_to_all_single(out, inp, group=group, async_op=True)
 
 
-def _gather_across(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
+def _gather_across(topo: Topology, out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
     """Issue the all-gather among one rank per node: point to point on gloo."""
-    if p2p.preferred(group):
+    if topo.point_to_point and p2p.preferred(group):
         return p2p.all_gather(out, inp, group)
     return _all_gather(out, inp, group=group, async_op=True)
 
@@ -401,7 +411,7 @@ def begin_all_gather(
         return {"all_gather": W - 1}, finish_flat
     across = torch.empty(N * m, dtype=src.dtype, device=src.device)
     first = watchdog.begin(
-        f"{what} across nodes", topo.inter, lambda: _gather_across(across, src, topo.inter)
+        f"{what} across nodes", topo.inter, lambda: _gather_across(topo, across, src, topo.inter)
     )
 
     def finish() -> None:
@@ -448,7 +458,7 @@ def exact_reduce_scatter(
     watchdog.run(
         "loco exact all_to_all",
         topo.group,
-        lambda: _all_to_all(recv, send, topo.group),
+        lambda: _all_to_all(topo, recv, send, topo.group),
     )
     wire = (W - 1) * width * send.element_size()
     parts = {_dtype_name(dtype): wire}

@@ -63,6 +63,13 @@ class LocoConfig(PluginConfig):
     the gathered weights are DeepSpeed's bit for bit.  ``deepspeed``: DeepSpeed's ring all-gather
     over all ranks.  With a flat hierarchy DeepSpeed's all-gather is kept either way."""
 
+    gloo_exchange: Literal["point_to_point", "collective"] = "point_to_point"
+    """On gloo (CPU): ``point_to_point`` issues loco's all-to-alls and the cross-node hop of its
+    all-gathers as sends and receives, every direction at once; gloo's collectives move a pair's
+    two directions one after the other (on a 100 Mbit/s link, 1.1-2x the time for the same
+    bytes).  ``collective``: gloo's ``all_to_all_single`` / ``all_gather_into_tensor``, for
+    comparison.  The results are the same bit for bit; other backends keep their collectives."""
+
     node_size: int | None = pydantic.Field(default=None, ge=1)
     """Ranks per node (node n holds ranks n*node_size ... (n+1)*node_size-1).  None: the
     ``LOCAL_WORLD_SIZE`` (torchrun) or ``LOCAL_SIZE`` environment variable, else one node."""

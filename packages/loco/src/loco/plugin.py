@@ -240,7 +240,7 @@ class LocoPlugin(ZeroPlugin):
         world = dist.get_world_size()
         node = _node_size(self.cfg, world)
         if _two_level_wanted(self.cfg, world, node):
-            self._two_level = comm.two_level_topology(node)
+            self._two_level = comm.two_level_topology(node, self.cfg.gloo_exchange == "point_to_point")
 
     def close(self) -> None:
         self.state.buffers.clear()
@@ -265,7 +265,7 @@ class LocoPlugin(ZeroPlugin):
         group = group if group is not None else dist.group.WORLD
         topo = self._topologies.get(group)
         if topo is None:
-            topo = comm.flat_topology(group)
+            topo = comm.flat_topology(group, self.cfg.gloo_exchange == "point_to_point")
             two = self._two_level
             if two is not None:
                 if topo.world == two.world:
