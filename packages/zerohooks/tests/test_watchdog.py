@@ -207,3 +207,36 @@ def test_a_failure_on_one_rank_reaches_every_rank(when: str) -> None:
     assert kind0 == "RankFailedError", (kind0, text0)
     assert "failed on 1 of 2 rank(s)" in text0 and "rank 1: OSError" in text0 and "no space left" in text0
     assert time.monotonic() - t0 < 200
+
+
+_EXIT_CHILD = """
+import atexit, socket, threading
+
+def report() -> None:  # registered before zerohooks is imported: runs after its exit handler
+    alive = [t.name for t in threading.enumerate() if t.name == "zerohooks-heartbeat" and t.is_alive()]
+    print("alive at exit:", alive, flush=True)
+
+atexit.register(report)
+import torch.distributed as dist
+from zerohooks import watchdog
+
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+port = s.getsockname()[1]
+s.close()
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+heart = watchdog._heartbeat(2.0)
+assert heart is not None and heart.thread.is_alive()
+print("beating", flush=True)
+"""
+
+
+def test_the_heartbeat_thread_is_joined_before_the_interpreter_exits() -> None:
+    """A daemon heartbeat left inside the store client's C++ code at interpreter exit can abort the
+    process (std::terminate); zerohooks joins it at exit, before finalization."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _EXIT_CHILD], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "beating" in done.stdout and "alive at exit: []" in done.stdout, done.stdout + done.stderr[-2000:]

@@ -24,6 +24,7 @@ Patient operations
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -208,6 +209,28 @@ def _heartbeat(timeout: float) -> _Heartbeat | None:
                 return None
             _heart = _Heartbeat(rank, store, interval, source)
         return _heart
+
+
+_STOP_WAIT = 6.0
+"""Seconds :func:`_stop_heartbeat` waits for a beat in flight (the store client's own limit is 5 s)."""
+
+
+def _stop_heartbeat() -> None:
+    """Stop this process's heartbeat and wait for its thread (run at interpreter exit).
+
+    A daemon thread still inside the store client's C++ code when the interpreter finalizes is
+    ended with a forced unwind, which C++ frames that may not throw turn into ``std::terminate``:
+    a rank that trained to the end could abort ("terminate called without an active exception")
+    when the store's host had already exited.  Joining the thread first rules that out."""
+    global _heart
+    with _heart_lock:
+        heart, _heart = _heart, None
+    if heart is not None:
+        heart.stop()
+        heart.thread.join(timeout=_STOP_WAIT)
+
+
+atexit.register(_stop_heartbeat)
 
 
 def _census(heart: _Heartbeat, ranks: list[int]) -> tuple[list[int], dict[int, str]]:
