@@ -169,19 +169,15 @@ def _train(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def _crossing(every: list[dict[str, Any]], step: int) -> float:
     """Bytes the counters say crossed between the 2 nodes at ``step`` (see the module docstring)."""
-    world = len(every)
-    ring = NODES / world  # of a ring over ranks 0..W-1, N of the W edges join two nodes
+    from loco.state import crossing_bytes
+
+    ring = NODES / len(every)  # of a ring over ranks 0..W-1, N of the W edges join two nodes
     total = 0.0
     for r in every:
         if r["stats"] is None:
             total += ring * sum(n for coll in r["wire"][step].values() for n in coll.values())
-            continue
-        s = r["stats"][step]
-        total += s.get("wire:all_to_all_inter", 0)
-        if "wire:all_to_all_inter" not in s:
-            total += (NODES - 1) * LOCAL / (world - 1) * s.get("wire:all_to_all", 0)
-        total += s.get("wire:all_gather_inter", 0)  # two-level: every byte of it crosses
-        total += ring * (s.get("wire:all_gather", 0) + s.get("wire:exact", 0))
+        else:
+            total += crossing_bytes(r["stats"][step], NODES, LOCAL)
     return total
 
 

@@ -158,21 +158,15 @@ def test_calibration_confirms_the_link_model(runs: dict[str, Any]) -> None:
 
 
 def _crossing(run: dict[str, Any], step: int) -> float:
-    """Bytes the counters say crossed between the nodes at ``step``, summed over ranks:
-    loco's inter-node all-to-all entirely; (N-1)L/(W-1) of a flat all-to-all (direct sends);
-    N/W of a ring collective (all-gather, all-reduce), whose W edges include N between nodes."""
-    ring = NODES / WORLD
-    if run["stats"][0] is None:  # DeepSpeed's own bf16 all-reduce, as zerohooks counts it
+    """Bytes the counters say crossed between the nodes at ``step``, summed over ranks: for loco,
+    ``loco.state.crossing_bytes`` of each rank's counters; for DeepSpeed's own bf16 all-reduce (a
+    ring, as zerohooks counts it) N/W, the share of the ring's W edges that join two nodes."""
+    from loco.state import crossing_bytes
+
+    if run["stats"][0] is None:
+        ring = NODES / WORLD
         return ring * sum(sum(run["counters"][r][step]["all_reduce"].values()) for r in range(WORLD))
-    total = 0.0
-    for r in range(WORLD):
-        s = run["stats"][r][step]
-        total += s.get("wire:all_to_all_inter", 0)
-        if "wire:all_to_all_inter" not in s:
-            total += (NODES - 1) * LOCAL / (WORLD - 1) * s.get("wire:all_to_all", 0)
-        total += s.get("wire:all_gather_inter", 0)  # two-level: every byte of it crosses
-        total += ring * (s.get("wire:all_gather", 0) + s.get("wire:exact", 0))
-    return total
+    return sum(crossing_bytes(run["stats"][r][step], NODES, LOCAL) for r in range(WORLD))
 
 
 @pytest.mark.parametrize("name", ["ds", "loco2", "loco1"])

@@ -98,3 +98,13 @@ def test_a_plugin_object_serves_one_engine_at_a_time() -> None:
         build(fresh, train_batch_size=15)
     assert not fresh.in_use
     train(build(fresh), 1, 2)
+
+    # so does one the adapter refuses after sealing the registry: a stage plugin with the
+    # BF16_Optimizer that DeepSpeed builds for bf16 + ZeRO 1 + grad_accum_dtype fp32
+    refused = RecordingPlugin()
+    model = make_model()
+    cfg = ds_config(1, "bf16", data_types={"grad_accum_dtype": "fp32"})
+    with pytest.raises(zerohooks.ConfigError, match=r"need DeepSpeed's ZeRO 1 optimizer .*BF16_Optimizer"):
+        zerohooks.initialize(model=model, model_parameters=model.parameters(), config=cfg, plugins=[refused])
+    assert not refused.in_use
+    train(build(refused), 1, 2)

@@ -34,6 +34,7 @@ __all__ = [
     "LocoState",
     "after_step",
     "begin_call",
+    "crossing_bytes",
     "error_buffer",
     "load_state_dict",
     "rescale_errors",
@@ -135,6 +136,25 @@ class CommStats:
 
     def last_step(self) -> dict[str, int]:
         return dict(self.history[-1]) if self.history else {}
+
+
+def crossing_bytes(step: Mapping[str, float], nodes: int, node_size: int) -> float:
+    """Of one rank's counters for one step (an entry of :attr:`CommStats.history`), the gradient
+    bytes it sent to ranks on other nodes (ranks node-major, ``nodes`` x ``node_size``).
+
+    All of the two-level cross-node hops (``wire:all_to_all_inter``, ``wire:all_gather_inter``);
+    of a flat all-to-all, which sends to each of the W-1 other ranks directly, the
+    (N-1)L/(W-1) that go to other nodes; of a ring (loco's flat all-gather, and the exact path,
+    an all-reduce on ZeRO 0-2) N/W, the share of the ring's W edges that join two nodes.  The
+    parameter all-gathers (``params:``) are not included."""
+    world = nodes * node_size
+    if world < 2 or nodes < 2:
+        return 0.0
+    ring = nodes / world
+    total = step.get("wire:all_to_all_inter", 0) + step.get("wire:all_gather_inter", 0)
+    if "wire:all_to_all_inter" not in step:
+        total += (nodes - 1) * node_size / (world - 1) * step.get("wire:all_to_all", 0)
+    return total + ring * (step.get("wire:all_gather", 0) + step.get("wire:exact", 0))
 
 
 class LocoState:

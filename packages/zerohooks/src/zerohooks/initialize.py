@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 from collections.abc import Sequence
@@ -258,5 +259,12 @@ def initialize(*args: Any, plugins: Sequence[ZeroPlugin] = (), **kwargs: Any) ->
     except BaseException:
         if attachment_of(engine) is not None:
             detach(engine)  # undo every patch and let each plugin release what it made (files, buffers)
+        else:
+            # the adapter refused the engine before installing anything (e.g. a plugin that needs
+            # the ZeRO optimizer DeepSpeed did not build): the plugins attached to the sealed
+            # registry must still close, or they would stay bound to an engine nobody holds
+            for p in enabled:
+                with contextlib.suppress(Exception):
+                    p.close()
         raise
     return result

@@ -162,6 +162,42 @@ def _kill_ns(ns: str, rounds: int = 50) -> list[int]:
     return killed
 
 
+def _ns_inode(ns: str) -> int | None:
+    """The inode of namespace ``ns`` (what ``/proc/<pid>/ns/net`` of its processes points to)."""
+    try:
+        return os.stat(f"/run/netns/{ns}").st_ino
+    except OSError:
+        return None
+
+
+def _kill_entering(inodes: set[int], quiet_rounds: int = 2, rounds: int = 10) -> list[int]:
+    """SIGKILL processes in the network namespaces ``inodes`` until ``quiet_rounds`` scans in a row
+    (0.1 s apart) find none, at most ``rounds`` scans; returns the pids killed.
+
+    After a namespace's name is deleted, a process can still enter it: ``ip netns exec`` opens
+    the namespace, then joins it, so one started just before ``close`` may join after the kill
+    by name found nothing, and live on in a namespace nobody can name."""
+    killed: list[int] = []
+    quiet = 0
+    for _ in range(rounds):
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            with contextlib.suppress(OSError):
+                if os.stat(f"/proc/{entry}/ns/net").st_ino in inodes:
+                    found.append(int(entry))
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        killed += [p for p in found if p not in killed]
+        quiet = 0 if found else quiet + 1
+        if quiet >= quiet_rounds:
+            break
+        time.sleep(0.1)
+    return killed
+
+
 def _delete_ns(ns: str) -> None:
     _kill_ns(ns)
     _run(["ip", "netns", "del", ns], check=False)
@@ -465,8 +501,12 @@ class EmulatedNodes:
                 for p in job.procs:
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         p.popen.wait(timeout=10)
+            inodes = {i for i in (_ns_inode(ns) for ns in self._created) if i is not None}
             for ns in reversed(self._created):
                 _run(["ip", "netns", "del", ns], check=False)
+            late = _kill_entering(inodes) if inodes else []
+            if late:
+                _say(f"killed {len(late)} process(es) that entered a node as it closed")
             left = set(self._created) & set(_namespaces())
             if left:
                 _say(f"could not delete {sorted(left)}")
