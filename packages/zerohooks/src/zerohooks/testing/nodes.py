@@ -57,7 +57,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import IO, Any
@@ -147,19 +147,29 @@ def _ns_pids(ns: str) -> list[int]:
     return [int(p) for p in done.stdout.split() if p.isdigit()]
 
 
-def _kill_ns(ns: str, rounds: int = 50) -> list[int]:
-    """SIGKILL every process in ``ns`` until none is left; returns the pids killed."""
+def _kill_until_quiet(
+    find: Callable[[], list[int]], rounds: int, pause: float, quiet_rounds: int = 1
+) -> list[int]:
+    """SIGKILL the pids ``find()`` returns (this process aside) until ``quiet_rounds`` calls in a
+    row, ``pause`` seconds apart, return none, at most ``rounds`` calls; returns the pids killed."""
     killed: list[int] = []
+    quiet = 0
     for _ in range(rounds):
-        pids = [p for p in _ns_pids(ns) if p != os.getpid()]
-        if not pids:
-            break
+        pids = [p for p in find() if p != os.getpid()]
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         killed += [p for p in pids if p not in killed]
-        time.sleep(0.05)
+        quiet = 0 if pids else quiet + 1
+        if quiet >= quiet_rounds:
+            break
+        time.sleep(pause)
     return killed
+
+
+def _kill_ns(ns: str, rounds: int = 50) -> list[int]:
+    """SIGKILL every process in ``ns`` until none is left; returns the pids killed."""
+    return _kill_until_quiet(lambda: _ns_pids(ns), rounds, 0.05)
 
 
 def _ns_inode(ns: str) -> int | None:
@@ -170,32 +180,25 @@ def _ns_inode(ns: str) -> int | None:
         return None
 
 
-def _kill_entering(inodes: set[int], quiet_rounds: int = 2, rounds: int = 10) -> list[int]:
-    """SIGKILL processes in the network namespaces ``inodes`` until ``quiet_rounds`` scans in a row
-    (0.1 s apart) find none, at most ``rounds`` scans; returns the pids killed.
+def _pids_in(inodes: set[int]) -> list[int]:
+    """Every process whose network namespace is one of ``inodes`` (named or not)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.stat(f"/proc/{entry}/ns/net").st_ino in inodes:
+                    found.append(int(entry))
+    return found
+
+
+def _kill_entering(inodes: set[int]) -> list[int]:
+    """SIGKILL processes in the network namespaces ``inodes`` until two scans in a row (0.1 s
+    apart) find none, at most 10 scans; returns the pids killed.
 
     After a namespace's name is deleted, a process can still enter it: ``ip netns exec`` opens
     the namespace, then joins it, so one started just before ``close`` may join after the kill
     by name found nothing, and live on in a namespace nobody can name."""
-    killed: list[int] = []
-    quiet = 0
-    for _ in range(rounds):
-        found = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == os.getpid():
-                continue
-            with contextlib.suppress(OSError):
-                if os.stat(f"/proc/{entry}/ns/net").st_ino in inodes:
-                    found.append(int(entry))
-        for pid in found:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        killed += [p for p in found if p not in killed]
-        quiet = 0 if found else quiet + 1
-        if quiet >= quiet_rounds:
-            break
-        time.sleep(0.1)
-    return killed
+    return _kill_until_quiet(lambda: _pids_in(inodes), 10, 0.1, quiet_rounds=2)
 
 
 def _delete_ns(ns: str) -> None:
