@@ -95,7 +95,7 @@ def test_dequant_reduce_requant_is_bitwise_the_reference(
     _on(device)
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
-    for group in (64, 256, 1024):
+    for group in (64, 128, 256, 1024):
         for sources in (1, 2, 3, 8):
             for rows in (1, 2, 4):
                 m = group * 8
@@ -152,6 +152,45 @@ def test_dequant_reduce_is_bitwise_the_reference(
                     reference.dequant_reduce(q, scale, bits, group, divisor, o2)
                     case = f"seed={seed} bits={bits} G={group} S={sources} d={divisor} n={n}"
                     assert _equal(o1.cpu(), o2), case
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("err", [None, "int8"])
+@pytest.mark.parametrize("group", [64, 128])
+def test_dequant_reduce_requant_special_groups_are_bitwise_the_reference(
+    native: None, device: str, err: str | None, group: int
+) -> None:
+    """Non-finite, tiny and zero source groups among ordinary ones, in runs of 1 to 9 groups (the
+    vectorized receiver works on several groups at once; the first and last of a run are
+    special), on the error storages the vectorized path takes."""
+    _on(device)
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    specials = [math.inf, math.nan, 1e-35, 0.0]
+    seen_inf = seen_zero = 0
+    for n_groups in range(1, 10):
+        m = group * n_groups
+        sources = 2
+        q2 = torch.randint(0, 256, (sources, m // 2), dtype=torch.uint8, generator=gen)
+        s2 = torch.rand(sources, n_groups, generator=gen)
+        for k in range(n_groups):  # about every other group special, in one source or both
+            if torch.rand(1, generator=gen).item() < 0.5:
+                src = int(torch.randint(0, sources, (1,), generator=gen))
+                s2[src, k] = specials[int(torch.randint(0, len(specials), (1,), generator=gen))]
+        if n_groups >= 3:  # a group of zeros and a tiny one in every source
+            s2[:, 1], s2[:, 2] = 0.0, 1e-35
+        e2, es2 = error_like(err, m, group, gen)
+        e1, es1 = e2.to(device, copy=True), es2.to(device, copy=True)
+        o2, os2 = torch.zeros(1, m // 2, dtype=torch.uint8), torch.zeros(1, n_groups)
+        o1, os1 = o2.to(device, copy=True), os2.to(device, copy=True)
+        torch.ops.loco.dequant_reduce_requant(q2.to(device), s2.to(device), e1, es1, 0.8, 4, group, o1, os1)
+        reference.dequant_reduce_requant(q2, s2, e2, es2, 0.8, 4, group, o2, os2)
+        case = f"seed={seed} err={err} G={group} groups={n_groups} scales={s2.tolist()}"
+        assert _equal(o1.cpu(), o2) and _equal(os1.cpu(), os2), f"codes/scales differ: {case}"
+        assert _equal(e1.cpu(), e2) and _equal(es1.cpu(), es2), f"error buffers differ: {case}"
+        seen_inf += int((os2 == math.inf).sum())
+        seen_zero += int((os2 == 0).sum())
+    assert seen_inf > 0 and (err is not None or seen_zero > 0), "the special groups were not reached"
 
 
 @pytest.mark.parametrize(
