@@ -47,3 +47,38 @@ def test_no_plugins_is_bit_identical_to_deepspeed() -> None:
         if not counted:
             failures.append(f"{case}: no collective bytes were counted")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.multirank
+@distributed(world_size=2, fp16_on_cpu=True, timeout=600)
+def test_zero0_hooks_that_change_nothing_are_bit_identical_to_deepspeed() -> None:
+    """ZeRO 0 with reduce_dtype / reduce_tensor hooks that change nothing (so zerohooks, not
+    DeepSpeed, flattens and reduces each bucket, and DeepSpeed copies the result back), with and
+    without a plugin owning the all-reduce (an exact one): bit for bit DeepSpeed's training, in
+    each model dtype and with gradients communicated in bf16."""
+    from zerohooks.testing.recording import RecordingConfig, RecordingPlugin
+
+    failures = []
+    for dtype, comm, own in itertools.product(("fp32", "bf16", "fp16"), (None, "bf16"), (False, True)):
+        if comm is not None and dtype != "fp32":
+            continue
+        extra = {} if comm is None else {"communication_data_type": comm}
+        runs = []
+        for plugins in (None, [RecordingPlugin(RecordingConfig(own_reducer=own, keep_grads=False))]):
+            model = make_model()
+            init = deepspeed.initialize if plugins is None else zerohooks.initialize
+            kwargs = {} if plugins is None else {"plugins": plugins}
+            engine, *_ = init(
+                model=model,
+                model_parameters=model.parameters(),
+                config=ds_config(0, dtype, **extra),
+                **kwargs,
+            )
+            runs.append((train(engine, steps=3, gas=2), full_params(engine, 0)))
+        (ref_losses, ref_params), (losses, params) = runs
+        case = f"dtype={dtype} communication_data_type={comm} owned={own}"
+        if losses != ref_losses:
+            failures.append(f"{case}: losses differ {losses} vs {ref_losses}")
+        if not all(torch.equal(a, b) for a, b in zip(params, ref_params, strict=True)):
+            failures.append(f"{case}: parameters differ")
+    assert not failures, "\n".join(failures)

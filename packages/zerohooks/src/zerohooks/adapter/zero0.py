@@ -42,9 +42,20 @@ def install(att: Attachment) -> None:
                     continue
                 groups.setdefault(att.comm_dtype(p, default), []).append((t, p))
             world = dist.get_world_size(group=dp_group) if dp_world_size is None else dp_world_size
+            # the bucket, unchanged and whole, in one communication dtype: DeepSpeed's caller
+            # (allreduce_and_copy) copies the reduced flat tensor back into it, converting, so no
+            # copy back here and no re-flattening of the bucket (a fresh full-size tensor a step)
+            only = next(iter(groups.values()), [])
+            whole = (
+                len(groups) == 1
+                and len(only) == len(bucket)
+                and all(t is g for (t, _), g in zip(only, bucket, strict=True))
+            )
             for dtype, items in groups.items():
                 tensors = [t for t, _ in items]
-                flat = torch.cat([t.reshape(-1) for t in tensors]).to(dtype)
+                # flattened and converted in one pass
+                flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
+                torch.cat([t.reshape(-1) for t in tensors], out=flat)
                 nbytes = flat.numel() * dtype.itemsize
                 counters.add("all_reduce", dtype, nbytes)
                 if reg.reducer.owner is not None:
@@ -60,6 +71,8 @@ def install(att: Attachment) -> None:
                     )
                     if engine.gradient_average:
                         flat.div_(world)
+                if whole:
+                    return flat
                 for t, r in zip(tensors, torch.split(flat, [t.numel() for t in tensors]), strict=True):
                     t.copy_(r.view_as(t))
             return engine.flatten(bucket)
