@@ -567,18 +567,15 @@ __attribute__((always_inline)) inline void run4_zmm(int64_t begin, int64_t end, 
     }
     if constexpr (kEF)
       if (gi - 2 >= begin) {
-        const Slot& s = sl[gi & 1];
+        const Slot& s = sl[(gi - 2) & 1];
         requant_err_zmm<NV>(s.en, s.efin, s.einv, static_cast<int8_t*>(e.data) + (gi - 2) * G);
       }
     if (gi - 1 >= begin && gi - 1 < end) {
       Slot& s = sl[(gi - 1) & 1];
-      if (!s.fin) {  // codes 0 and scale inf; the error codes will be 0 (its scale inf)
-        std::memset(s.q, 0x88, G / 2);
-        if constexpr (kEF) s.efin = scale_of(kInfBits, 127.f, e.scale[gi - 1], s.einv);
-      } else {
-        const uint32_t me = encode4_zmm<NV, EK>(s.x, s.bep, s.sc, s.inv, s.q, omb, s.en);
-        if constexpr (kEF) s.efin = scale_of(me, 127.f, e.scale[gi - 1], s.einv);
-      }
+      uint32_t me = kInfBits;  // not finite: codes 0 and scale inf, then error codes 0 (scale inf)
+      if (s.fin) me = encode4_zmm<NV, EK>(s.x, s.bep, s.sc, s.inv, s.q, omb, s.en);
+      else std::memset(s.q, 0x88, G / 2);
+      if constexpr (kEF) s.efin = scale_of(me, 127.f, e.scale[gi - 1], s.einv);
     }
   }
 }
