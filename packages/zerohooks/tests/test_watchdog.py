@@ -106,6 +106,29 @@ def test_alive_rank_that_does_not_join_is_named() -> None:
     assert LIMIT <= waited < LIMIT + 5, waited
 
 
+def _patient_with_a_late_joiner() -> str:
+    """Rank 1 is alive but stays out of a patient gather for about two limits; rank 0 waits."""
+    import contextlib
+    import io
+
+    watchdog.set_collective_timeout(LIMIT)
+    watchdog.barrier("first barrier")
+    if dist.get_rank() == 1:
+        time.sleep(2.5 * LIMIT)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        seen = watchdog.gather_objects(dist.get_rank(), "test patient gather", patient=True)
+    assert seen == [0, 1]
+    return err.getvalue()
+
+
+@pytest.mark.multirank
+def test_a_patient_wait_names_where_an_alive_late_rank_is() -> None:
+    err0, _ = run_distributed(_patient_with_a_late_joiner, 2, timeout=120)
+    assert "rank 0: still waiting in test patient gather" in err0, err0
+    assert "every rank is alive, not all in it: rank 1 is outside zerohooks collectives" in err0, err0
+
+
 def _new_group_then_late_joiner() -> tuple[str, float, bool]:
     """The process group is destroyed and made anew (a new store) between two uses."""
     from zerohooks.testing import _free_port
@@ -210,7 +233,7 @@ def test_a_failure_on_one_rank_reaches_every_rank(when: str) -> None:
 
 
 _EXIT_CHILD = """
-import atexit, socket, threading
+import atexit, socket, threading, time
 
 def report() -> None:  # registered before zerohooks is imported: runs after its exit handler
     alive = [t.name for t in threading.enumerate() if t.name == "zerohooks-heartbeat" and t.is_alive()]
@@ -227,13 +250,28 @@ s.close()
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 heart = watchdog._heartbeat(2.0)
 assert heart is not None and heart.thread.is_alive()
+
+
+class SlowStore:  # a beat that takes a while (a loaded store host)
+    entered = threading.Event()
+
+    def set(self, key: str, value: str) -> None:
+        self.entered.set()
+        time.sleep(1.5)
+
+
+heart.store = SlowStore()
+assert SlowStore.entered.wait(30)  # the heartbeat is inside a beat...
+newer = watchdog._heartbeat(3.0)  # ...when a new limit replaces it
+assert newer is not None and newer is not heart and heart.stopped.is_set() and heart.thread.is_alive()
 print("beating", flush=True)
 """
 
 
 def test_the_heartbeat_thread_is_joined_before_the_interpreter_exits() -> None:
     """A daemon heartbeat left inside the store client's C++ code at interpreter exit can abort the
-    process (std::terminate); zerohooks joins it at exit, before finalization."""
+    process (std::terminate); zerohooks joins it at exit, before finalization: the current one and
+    one replaced (new limit) while inside a beat."""
     import subprocess
     import sys
 

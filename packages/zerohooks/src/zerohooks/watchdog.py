@@ -169,6 +169,8 @@ class _Heartbeat:
 
 
 _heart: _Heartbeat | None = None
+_retired: list[_Heartbeat] = []
+"""Heartbeats stopped because the process group or the limit changed, joined at exit with the current one."""
 _heart_lock = threading.Lock()
 
 
@@ -202,6 +204,9 @@ def _heartbeat(timeout: float) -> _Heartbeat | None:
             _heart.source is not source or _heart.interval != interval or _heart.rank != rank
         ):
             _heart.stop()  # the process group was made anew (or the limit changed): beat afresh
+            # its thread may still be inside a beat: keep it until it ends, exit joins it
+            _retired[:] = [h for h in _retired if h.thread.is_alive()]
+            _retired.append(_heart)
             _heart = None
         if _heart is None:
             store = _store(source)
@@ -216,18 +221,24 @@ _STOP_WAIT = 6.0
 
 
 def _stop_heartbeat() -> None:
-    """Stop this process's heartbeat and wait for its thread (run at interpreter exit).
+    """Stop this process's heartbeats and wait for their threads (run at interpreter exit).
 
     A daemon thread still inside the store client's C++ code when the interpreter finalizes is
     ended with a forced unwind, which C++ frames that may not throw turn into ``std::terminate``:
     a rank that trained to the end could abort ("terminate called without an active exception")
-    when the store's host had already exited.  Joining the thread first rules that out."""
+    when the store's host had already exited.  Joining the threads first rules that out: the
+    current heartbeat's and those of earlier process groups or limits, which may still be inside
+    their last beat."""
     global _heart
     with _heart_lock:
-        heart, _heart = _heart, None
-    if heart is not None:
+        hearts = [h for h in (*_retired, _heart) if h is not None]
+        _heart = None
+        _retired.clear()
+    for heart in hearts:
         heart.stop()
-        heart.thread.join(timeout=_STOP_WAIT)
+    deadline = time.monotonic() + _STOP_WAIT  # the beats in flight end together: one wait for all
+    for heart in hearts:
+        heart.thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 atexit.register(_stop_heartbeat)
@@ -384,13 +395,19 @@ def _wait_patiently(
         next_check = time.monotonic() + timeout
         if heart is None:
             continue
-        stalled, _ = _census(heart, [r for r in _group_ranks(group) if r != dist.get_rank()])
+        stalled, where = _census(heart, [r for r in _group_ranks(group) if r != dist.get_rank()])
         if stalled:
             cause = f"could not complete: a rank stopped responding while it waited {timeout:g} s or more"
             raise CollectiveTimeoutError(_diagnose(heart, what, seq, group, time.monotonic() - t0, cause))
+        # an alive rank that never comes is waited for (a long build, a slow disk) but named, so
+        # that one stuck elsewhere (a deadlock, a hung input pipeline) shows where it is
+        late = [
+            f"rank {r} is {at}" for r, at in sorted(where.items()) if not at.startswith(f"in {what} (#{seq})")
+        ]
         print(
             f"[zerohooks] rank {dist.get_rank()}: still waiting in {what} after "
-            f"{time.monotonic() - t0:.0f} s; every rank is alive",
+            f"{time.monotonic() - t0:.0f} s; every rank is alive"
+            + (f", not all in it: {'; '.join(late)}" if late else ", all in it"),
             file=sys.stderr,
             flush=True,
         )
