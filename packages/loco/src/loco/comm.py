@@ -384,6 +384,18 @@ def quantized_all_reduce(
     state.stats.reduced(n, "all_reduce", W)
 
 
+def _used_on_this_stream(*tensors: torch.Tensor) -> None:
+    """Tell CUDA's caching allocator that ``tensors`` (made when the all-gather was issued) were
+    last used on the stream current now.  DeepSpeed's ZeRO 3 issues parameter all-gathers on its
+    all-gather stream and waits for them on the compute stream; a buffer allocated on the first
+    and freed after work queued on the second could otherwise be handed to the first stream's
+    next allocation while that work still reads it.  DeepSpeed's own all-gather handles record
+    the parameters on the waiting stream the same way.  Nothing to do off CUDA."""
+    for t in tensors:
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+
+
 def begin_all_gather(
     topo: Topology, out: torch.Tensor, inp: torch.Tensor, what: str
 ) -> tuple[dict[str, int], Callable[[], None]]:
@@ -407,6 +419,7 @@ def begin_all_gather(
             flat.wait()
             if dst is not out:
                 out.copy_(dst.view(out.shape))
+            _used_on_this_stream(src, dst)
 
         return {"all_gather": W - 1}, finish_flat
     across = torch.empty(N * m, dtype=src.dtype, device=src.device)
@@ -428,6 +441,7 @@ def begin_all_gather(
             out.view(N, L, m).copy_(ordered)
         else:
             out.copy_(ordered.reshape(out.shape))
+        _used_on_this_stream(src, across)
 
     return {"all_gather_inter": N - 1, "all_gather_intra": (L - 1) * N}, finish
 
