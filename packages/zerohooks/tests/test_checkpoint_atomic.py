@@ -9,6 +9,8 @@
 * a damaged, truncated or foreign state file is a ``CheckpointStateError`` on every rank naming
   the file and the rank (the oracle for "damaged": the flipped payload still unpickles, so without
   the checksum it would load silently); format-1 files load with a warning;
+* a forged state file (a pickle that would create a file, with its checksum recomputed, or as a
+  format-1 file) is refused on every rank and never runs; so is plain data of another shape;
 * ``load_optimizer_states=False`` loads the weights, warns once and leaves the plugins fresh;
 * a full file system is a ``CheckpointDiskFullError`` (errno ENOSPC) and the previous checkpoint
   still resumes exactly.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import io
 import json
 import os
@@ -249,7 +252,7 @@ def _check_damaged_files_are_refused(root: str) -> None:
         flipped = bytearray(original)
         flipped[at + 1] ^= 0x01
         start = len(original) - len(body)
-        silent = torch.load(io.BytesIO(bytes(flipped[start:])), weights_only=False)
+        silent = torch.load(io.BytesIO(bytes(flipped[start:])), weights_only=True)
         assert not torch.equal(silent["states"]["feedback"]["err"]["fc2.bias"], saved["err"]["fc2.bias"])
         box = [bytes(flipped)]
     else:
@@ -270,6 +273,41 @@ def _check_damaged_files_are_refused(root: str) -> None:
         _damage(path, original, data)
         _expect_refused(loader, fresh, root, path, case)
 
+    # forged files: a pickle that would create a marker file, with a recomputed checksum (format 2)
+    # and as a format-1 file; foreign plain data; wrong shapes. Each refused, the marker never made
+    marker = os.path.join(root, f"forged-ran-{_rank()}")
+    good = torch.load(io.BytesIO(body), weights_only=True)
+    forged = {
+        **good,
+        "states": {"feedback": {"err": good["states"]["feedback"]["err"], "x": _Forged(marker)}},
+    }
+    forged_cases = {
+        "forged pickle, checksum recomputed": (_forge(forged), "replaced or forged"),
+        "forged format-1 pickle": (
+            _torch_bytes({**forged, "format": 1}),
+            "python -m zerohooks.convert_state",
+        ),
+        "a torch.dtype in the payload": (
+            _forge({**good, "states": {"feedback": {"err": {}, "dtype": torch.float32}}}),
+            "torch.dtype",
+        ),
+        "states not a dict": (_forge({**good, "states": [1, 2]}), "'states' is a list"),
+        "a plugin state of the wrong shape": (
+            _forge({**good, "states": {"feedback": {"err": [1, 2]}}}),
+            "a plugin refused",
+        ),
+    }
+    for case, (data, words) in forged_cases.items():
+        _damage(path, original, data)
+        with pytest.raises(CheckpointStateError) as info:
+            loader.load_checkpoint(root, tag="t")
+        message = str(info.value)
+        assert path in message and "rank 1" in message and words in message, (case, message)
+        if case != "a plugin state of the wrong shape":  # applied on rank 0, refused on rank 1
+            assert not fresh.loaded, case
+        assert not os.path.exists(marker), case  # the forged pickle never ran
+        fresh.loaded = False
+
     # a format-1 file (no checksum, written by an older zerohooks) loads, with a warning
     legacy = torch.load(io.BytesIO(original[len(original) - len(body) :]), weights_only=False)
     legacy["format"] = statefile.LEGACY_FORMAT
@@ -286,6 +324,23 @@ def _check_damaged_files_are_refused(root: str) -> None:
     fresh.loaded = False
     _damage(path, original, _torch_bytes(legacy)[:200])
     _expect_refused(loader, fresh, root, path, "truncated format-1 file")
+
+
+class _Forged:
+    """What an attacker puts in a pickle: unpickling it would create the file ``marker``."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.marker, "w"))
+
+
+def _forge(payload: dict[str, Any]) -> bytes:
+    """A format-2 state file holding any ``payload``, its checksum recomputed as a forger would."""
+    body = _torch_bytes(payload)
+    header = {"format": 2, "size": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+    return statefile.MAGIC + json.dumps(header).encode() + b"\n" + body
 
 
 def _torch_bytes(obj: Any) -> bytes:

@@ -369,12 +369,27 @@ def _load(att: Attachment, load_dir: str, tag: str) -> None:
         problem = str(e)
     except Exception as e:  # a payload of the wrong shape: damage all the same
         problem = f"{type(e).__name__} while reading the plugin state: {e}"
+    where = os.path.join(load_dir, tag)
     failed = _agree(problem is None, problem or "")
     if failed:
-        where = os.path.join(load_dir, tag)
         raise CheckpointStateError(f"checkpoint {where!r} cannot be resumed: {_summary(failed)}")
-    if payload is not None:
+    if payload is None:
+        return
+    try:
         _apply(att, payload)
+    except Exception as e:  # plain data of the wrong shape for a plugin: refused on every rank
+        rank = _rank_world()[0]
+        problem = (
+            f"{state_file(load_dir, tag, rank)!r} (rank {rank}) holds plugin state that a plugin refused "
+            f"({type(e).__name__}: {e})"
+        )
+    failed = _agree(problem is None, problem or "")
+    if failed:
+        raise CheckpointStateError(
+            f"checkpoint {where!r} cannot be resumed: {_summary(failed)}. The plugin state of the other "
+            "ranks was loaded; resume from another checkpoint or load weights only with "
+            "load_checkpoint(..., load_module_only=True)"
+        )
 
 
 def _warn_weights_only(att: Attachment, how: str) -> None:
