@@ -149,20 +149,38 @@ def _train_and_exit(folder: str) -> list[str]:
     import zerohooks
 
     rank = int(os.environ["RANK"])
+    # a user's file in the rank's swap folder, and a link planted where a swap file will be
+    mine = os.path.join(f"{folder}{rank}", "nvmeswap", f"rank{rank:05d}")
+    os.makedirs(mine)
+    with open(os.path.join(mine, "notes.txt"), "w") as f:
+        f.write("keep me")
+    victim = os.path.join(f"{folder}{rank}", "victim")
+    with open(victim, "w") as f:
+        f.write("precious")
+    os.symlink(victim, os.path.join(mine, "subgroup00000.swp"))
     model = make_model()
     engine, *_ = zerohooks.initialize(
         model=model, model_parameters=model.parameters(), config=config(f"{folder}{rank}", nvmeswap={})
     )
     train(engine, 1)
+    assert not any(os.path.islink(p) for p in swap_files(f"{folder}{rank}"))
     return swap_files(f"{folder}{rank}")
 
 
 def test_clean_exit_removes_swap_files(tmp_path) -> None:
+    """Only nvmeswap's own files go: a user's file in the swap folder survives, with the folder;
+    a link planted at a swap file's name is replaced by the swap file, its target untouched."""
     folder = str(tmp_path / "exit")
     during = run_distributed(_train_and_exit, 2, args=(folder,), timeout=600)
     assert all(during)  # the files existed while training
     for rank in range(2):
         assert swap_files(f"{folder}{rank}") == []  # gone once the rank's interpreter exited
+        mine = os.path.join(f"{folder}{rank}", "nvmeswap", f"rank{rank:05d}")
+        assert os.listdir(mine) == ["notes.txt"]
+        with open(os.path.join(mine, "notes.txt")) as f:
+            assert f.read() == "keep me"
+        with open(os.path.join(f"{folder}{rank}", "victim")) as f:
+            assert f.read() == "precious"
 
 
 def test_a_shared_swap_folder_is_refused_naming_its_holder(two_ranks: list[dict[str, Any]]) -> None:

@@ -127,3 +127,19 @@ def test_aligned_empty_is_aligned() -> None:
     for n in (1, 4096, 5000, 1 << 20):
         t = io.aligned_empty(n)
         assert t.data_ptr() % io.ALIGN == 0 and t.numel() % io.ALIGN == 0 and t.numel() >= n
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+@pytest.mark.parametrize("op", ["r", "w"])
+def test_a_planted_symlink_is_never_followed(tmp_path, kind: str, op: str, native_engine: bool) -> None:
+    """Oracle: the link's target keeps its bytes; the open is refused naming the link."""
+    eng = _engine(kind, native_engine)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"v" * 8192)
+    link = tmp_path / "subgroup00000.swp"
+    os.symlink(victim, link)
+    buf = _random(8192, 3)
+    with pytest.raises(io.SwapIOError, match=r"subgroup00000\.swp.*symbolic link"):
+        eng.submit(op, buf, str(link), 0)  # type: ignore[attr-defined]
+    assert victim.read_bytes() == b"v" * 8192
+    assert os.path.islink(link)

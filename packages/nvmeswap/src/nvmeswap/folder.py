@@ -24,12 +24,14 @@ import errno
 import json
 import os
 import socket
+import stat
 import warnings
 from typing import Any
 
 import torch.distributed as dist
 
-from nvmeswap.swapfile import SwapSpaceError, remove_folder
+from nvmeswap.io import LINK_REFUSED
+from nvmeswap.swapfile import SwapSpaceError, held_bytes, remove_folder
 from zerohooks import watchdog
 
 __all__ = ["DiskNeed", "FolderClaim", "SwapFolderInUseError", "claim", "exchange_needs", "prepare"]
@@ -95,6 +97,7 @@ def _read_owner(fd: int) -> dict[str, Any]:
 def claim(folder: str, rank: int) -> FolderClaim:
     """Create ``folder`` if needed and claim it for one engine, or raise
     :class:`SwapFolderInUseError` naming the engine that holds it."""
+    _check_no_links(folder)
     os.makedirs(folder, exist_ok=True)
     key = os.path.realpath(folder)
     held = _claims.get(key)
@@ -106,7 +109,7 @@ def claim(folder: str, rank: int) -> FolderClaim:
         "rank": rank,
         "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
     }
-    fd: int | None = os.open(os.path.join(folder, LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    fd: int | None = _open_lock(os.path.join(folder, LOCK))
     assert fd is not None
     try:
         import fcntl
@@ -127,6 +130,39 @@ def claim(folder: str, rank: int) -> FolderClaim:
     os.pwrite(fd, json.dumps(owner).encode(), 0)
     taken = _claims[key] = FolderClaim(folder, key, fd, owner)
     return taken
+
+
+def _check_no_links(folder: str) -> None:
+    """Refuse a rank folder, or the ``nvmeswap`` folder above it, that is a symbolic link: nvmeswap
+    creates both itself, so a link there was planted (it would send the swap files elsewhere)."""
+    for path in (os.path.dirname(folder.rstrip(os.sep)), folder):
+        if os.path.islink(path):
+            raise OSError(
+                errno.ELOOP,
+                f"nvmeswap: {path!r} is a symbolic link (to {os.readlink(path)!r}); nvmeswap creates this "
+                "folder itself and never follows links in it. Remove the link, or point nvmeswap's folder "
+                "(or offload_optimizer.nvme_path) at the real place",
+            )
+
+
+def _open_lock(path: str) -> int:
+    """The claim file, opened (created if absent, mode 0600) without following a symbolic link,
+    and checked to be a regular file."""
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0), 0o600)
+    except OSError as e:
+        why = LINK_REFUSED if e.errno == errno.ELOOP else e.strerror
+        raise OSError(
+            e.errno, f"nvmeswap: cannot open the swap folder's claim file {path!r}: {why}"
+        ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(
+            errno.EEXIST,
+            f"nvmeswap: the swap folder's claim file {path!r} is not a regular file; remove what is there",
+        )
+    return fd
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +199,7 @@ def exchange_needs(need: DiskNeed) -> list[DiskNeed]:
 
 def _measure(folder: str, rank: int, files: dict[str, int]) -> DiskNeed:
     st = os.statvfs(folder)
-    held = sum(os.stat(p).st_blocks * 512 for p in files if os.path.exists(p))
+    held = held_bytes(files)
     return DiskNeed(
         rank=rank,
         host=socket.gethostname(),

@@ -18,6 +18,7 @@ The C++ engine (``csrc/nvmeswap_io.cpp``, a pybind11 module built with
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import hashlib
 import os
 import threading
@@ -39,6 +40,9 @@ __all__ = [
     "load_native",
 ]
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+LINK_REFUSED = "it is a symbolic link, and nvmeswap never follows links in its swap folder"
+"""Why a swap file that is a symbolic link is refused (``O_NOFOLLOW`` gave ``ELOOP``)."""
 ALIGN = 4096
 """Alignment of O_DIRECT buffers, sizes and file offsets."""
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -168,7 +172,8 @@ class PyEngine:
         view = buffer.view(torch.uint8).numpy().data
         nbytes = len(view)
         aligned = buffer.data_ptr() % ALIGN == 0 and nbytes % ALIGN == 0 and offset % ALIGN == 0
-        flags = os.O_RDONLY if kind == "r" else os.O_WRONLY | os.O_CREAT
+        # never through a symbolic link planted at the path (O_NOFOLLOW: ELOOP instead)
+        flags = (os.O_RDONLY if kind == "r" else os.O_WRONLY | os.O_CREAT) | _NOFOLLOW
         fd, direct = -1, False
         if aligned and hasattr(os, "O_DIRECT"):
             try:
@@ -179,8 +184,9 @@ class PyEngine:
             try:
                 fd = os.open(path, flags, 0o600)
             except OSError as e:
+                why = LINK_REFUSED if e.errno == errno.ELOOP else str(e)
                 raise SwapIOError(
-                    f"nvmeswap: cannot open {path!r} for {'reading' if kind == 'r' else 'writing'}: {e}"
+                    f"nvmeswap: cannot open {path!r} for {'reading' if kind == 'r' else 'writing'}: {why}"
                 ) from None
         parts = [(s, min(self._block, nbytes - s)) for s in range(0, nbytes, self._block)]
         left = [len(parts)]

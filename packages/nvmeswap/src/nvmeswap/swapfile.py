@@ -14,10 +14,12 @@ every read against both the payload and the checksum the swapper remembers from 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
-import shutil
+import re
+import stat
 
 import torch
 
@@ -28,15 +30,25 @@ __all__ = [
     "MAGIC",
     "SwapCorruptionError",
     "SwapSpaceError",
+    "create",
     "decode_header",
     "encode_header",
+    "held_bytes",
+    "is_own_file",
     "preallocate",
+    "remove_folder",
     "segment_bytes",
 ]
 
 HEADER = ALIGN
 """Bytes of the header block at the start of every swap file."""
 MAGIC = "nvmeswap-1"
+OWN_NAMES = frozenset({"owner.lock"})
+"""Names of the files nvmeswap creates in a rank's swap folder besides the swap files."""
+_SWAP_NAME = re.compile(r"subgroup\d{5,}\.swp")
+"""How nvmeswap names its swap files (see :class:`nvmeswap.swapper.SwapState`)."""
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 class SwapSpaceError(OSError):
@@ -88,9 +100,7 @@ def preallocate(files: dict[str, int]) -> None:
     if not files:
         return
     folder = os.path.dirname(next(iter(files)))
-    held = sum(
-        os.stat(p).st_blocks * 512 for p in files if os.path.exists(p)
-    )  # space those files already own
+    held = held_bytes(files)  # space those files already own
     needed = sum(files.values())
     free = _free_bytes(folder) + held
     if free < needed:
@@ -100,7 +110,7 @@ def preallocate(files: dict[str, int]) -> None:
             f"{needed} bytes needed ({len(files)} files), {free} bytes free",
         )
     for path, nbytes in files.items():
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = create(path)
         try:
             os.posix_fallocate(fd, 0, nbytes)
         except OSError as e:
@@ -118,6 +128,54 @@ def preallocate(files: dict[str, int]) -> None:
             os.close(fd)
 
 
+def held_bytes(files: dict[str, int]) -> int:
+    """Bytes the regular files among ``files`` (path -> bytes) already hold on disk (a symbolic
+    link or anything else at a path counts for nothing: it is replaced, never followed)."""
+    held = 0
+    for p in files:
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            held += st.st_blocks * 512
+    return held
+
+
+def create(path: str) -> int:
+    """A new, empty swap file at ``path`` (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600), opened for
+    reading and writing; a file of that name left by an earlier run, or a symbolic link planted
+    there, is removed first (the link itself, never its target)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600)
+    except OSError as e:
+        raise OSError(
+            e.errno,
+            f"nvmeswap: cannot create the swap file {path!r} ({e.strerror}); something else was "
+            "put there while the folder was being prepared",
+        ) from None
+
+
+def is_own_file(name: str) -> bool:
+    """Whether ``name`` (a file name in a rank's swap folder) is one nvmeswap creates."""
+    return name in OWN_NAMES or _SWAP_NAME.fullmatch(name) is not None
+
+
 def remove_folder(folder: str) -> None:
-    """Delete a rank's swap folder (clean exit)."""
-    shutil.rmtree(folder, ignore_errors=True)
+    """Delete nvmeswap's own files in a rank's swap folder (clean exit): the swap files
+    (``subgroup<N>.swp``) and the claim file (``owner.lock``), nothing else; then the folder if
+    that left it empty.  Best effort: errors are ignored."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        if is_own_file(name):
+            path = os.path.join(folder, name)
+            with contextlib.suppress(OSError):
+                if not stat.S_ISDIR(os.lstat(path).st_mode):
+                    os.unlink(path)  # a link is removed as a link
+    with contextlib.suppress(OSError):  # not empty (a user's file) or already gone: kept
+        os.rmdir(folder)

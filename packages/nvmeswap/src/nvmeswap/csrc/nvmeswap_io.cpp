@@ -81,7 +81,8 @@ class Engine {
     req->path = path;
     bool aligned = (reinterpret_cast<uintptr_t>(ptr) % kAlign == 0) && (nbytes % kAlign == 0) &&
                    (static_cast<uint64_t>(offset) % kAlign == 0);
-    int flags = req->kind == 'r' ? O_RDONLY : (O_WRONLY | O_CREAT);
+    // never through a symbolic link planted at the path (O_NOFOLLOW: ELOOP instead)
+    int flags = (req->kind == 'r' ? O_RDONLY : (O_WRONLY | O_CREAT)) | O_NOFOLLOW | O_CLOEXEC;
     int fd = -1;
     if (aligned) {
       fd = ::open(path.c_str(), flags | O_DIRECT, 0600);
@@ -90,8 +91,10 @@ class Engine {
     if (fd < 0) fd = ::open(path.c_str(), flags, 0600);  // unaligned, or a filesystem without O_DIRECT
     if (fd < 0) {
       int e = errno;
+      std::string why = e == ELOOP ? "it is a symbolic link, and nvmeswap never follows links in its swap folder"
+                                   : std::strerror(e);
       throw std::runtime_error("nvmeswap: cannot open '" + path + "' for " +
-                               (req->kind == 'r' ? "reading" : "writing") + ": " + std::strerror(e));
+                               (req->kind == 'r' ? "reading" : "writing") + ": " + why);
     }
     req->fd = fd;
     uint64_t nblocks = nbytes == 0 ? 0 : (nbytes + block_size_ - 1) / block_size_;
