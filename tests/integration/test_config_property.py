@@ -25,9 +25,12 @@ under test:
   is not a JSON boolean; a section that is neither an object nor a boolean; an unknown key or an
   invalid value in an enabled section; a rule across keys (autocastzero's loss-scaling keys
   without dtype float16, mixedlayers without any module selected);
+* a refusal is required for a value of another JSON type than its field's (``"3"`` or ``3.0``
+  for an integer, ``true`` for a number, ``"no"`` or ``0`` for a boolean) and for a value past a
+  documented bound (:data:`LAX_CLASSES`);
 * a refusal is allowed, not required, for keys two edits from a plugin name (or a misspelt name
-  nested under a wrapper), loosely typed values that pydantic may coerce (``"3"`` for 3,
-  ``"no"`` for false), the contents of a disabled section and, once the engine is built, the
+  nested under a wrapper), spellings a plugin may normalise (``"FP32"`` for a dtype), the
+  contents of a disabled section and, once the engine is built, the
   combinations with DeepSpeed's settings or each other that the plugins document refusing
   (:func:`combinations`: accumdtype's lossy mixes, autocastzero with bf16, mixedlayers with an
   fp32 model, nvmeswap off ZeRO 3...);
@@ -86,15 +89,17 @@ pytestmark = pytest.mark.skipif(
 
 # -- the oracle's value tables ------------------------------------------------------------------
 # Per field of each plugin's section: values that must be accepted (V), must be refused (X), may
-# go either way because pydantic's lax mode may coerce them (L), and values the config layer
-# accepts but the run must refuse once the model and the ranks exist (R: TinyNet, one rank).
+# go either way (L: spellings a plugin may normalise, such as "FP32" for a dtype), and values the
+# config layer accepts but the run must refuse once the model and the ranks exist (R: TinyNet, one
+# rank).  Values of another JSON type (strings "yes"/"no"/"3", booleans as numbers, 4.0 for an
+# integer) and values past a bound (buffer counts, threads, block sizes) are X: plugin values are
+# strict JSON (zerohooks.strict), see LAX_CLASSES.
 V, X, L, R = "valid", "invalid", "lax", "runtime"
 NAN, INF = math.nan, math.inf
 
 BOOL: dict[str, list[Any]] = {
     V: [True, False],
-    L: [0, 1, "yes", "no", "true", "false"],
-    X: [None, "maybe", 2, [], 0.5],
+    X: [None, "maybe", 2, [], 0.5, 0, 1, "yes", "no", "true", "false", "True", "off"],
 }
 
 TABLES: dict[str, dict[str, dict[str, list[Any]]]] = {
@@ -134,20 +139,17 @@ TABLES: dict[str, dict[str, dict[str, list[Any]]]] = {
         # scales that cannot train are refused (2**-24 to 2**32, or 0 for dynamic scaling)
         "loss_scale": {
             V: [0, 0.0, 128.0, 1024],
-            L: ["128", True],
-            X: [-1, -0.5, NAN, "big", None, -INF, INF, 1e300, 2.0**40],
+            X: [-1, -0.5, NAN, "big", None, -INF, INF, 1e300, 2.0**40, "128", True, False],
         },
         "initial_scale_power": {
             V: [0, 8, 16],
-            L: [16.0, "16", True],
-            X: [-1, 64, 65, 1.5, NAN, INF, "x", None],
+            X: [-1, 64, 65, 1.5, NAN, INF, "x", None, 16.0, "16", True, 10**9, 2**64],
         },
-        "loss_scale_window": {V: [1, 2, 1000], L: ["10", 10.0], X: [0, -5, 2.5, NAN, None, "w"]},
-        "hysteresis": {V: [1, 2], L: ["2", True], X: [0, -1, 1.5, None]},
+        "loss_scale_window": {V: [1, 2, 1000], X: [0, -5, 2.5, NAN, None, "w", "10", 10.0, True]},
+        "hysteresis": {V: [1, 2], X: [0, -1, 1.5, None, "2", True, 2.0]},
         "min_loss_scale": {
             V: [1.0, 0.5, 1, 2**-10],
-            L: ["1", True],
-            X: [0, 0.0, -1.0, NAN, -INF, INF, None, "min"],
+            X: [0, 0.0, -1.0, NAN, -INF, INF, None, "min", "1", True],
         },
     },
     "mixedlayers": {
@@ -166,35 +168,36 @@ TABLES: dict[str, dict[str, dict[str, list[Any]]]] = {
         "keep_buffers": BOOL,
     },
     "loco": {
-        "bits": {V: [4, 8], L: [4.0, 8.0], X: [2, 16, "4", True, None, 4.5, NAN]},
+        "bits": {V: [4, 8], X: [2, 16, "4", True, None, 4.5, NAN, 4.0, 8.0]},
         "err_beta": {
             V: [0, 0.0, 0.5, 0.8, 1, 1.0],
-            L: ["0.5", True, False],
-            X: [-0.1, 1.5, NAN, INF, -INF, "high", None],
+            X: [-0.1, 1.5, NAN, INF, -INF, "high", None, "0.5", True, False],
         },
-        "reset_T": {V: [0, 1, 1024], L: ["3", 1.0, True], X: [-1, 1.5, NAN, INF, "x", None]},
-        "group_size": {V: [64, 128, 256, 512, 1024], L: [128.0], X: [32, 100, 2048, "128", None, True]},
+        "reset_T": {V: [0, 1, 1024], X: [-1, 1.5, NAN, INF, "x", None, "3", 1.0, True]},
+        "group_size": {V: [64, 128, 256, 512, 1024], X: [32, 100, 2048, "128", None, True, 128.0, 2**64]},
         "error_dtype": {V: ["int8", "bf16", "fp32"], X: ["int4", "fp16", "INT8", 8, None]},
-        "exact_below": {V: [None, 0, 4096], L: ["10", 10.0], X: [-1, 1.5, "x", NAN, INF]},
+        "exact_below": {V: [None, 0, 4096], X: [-1, 1.5, "x", NAN, INF, "10", 10.0, False]},
         "error_feedback": BOOL,
         "hierarchy": {V: ["detect", "flat", "auto"], R: ["two_level"], X: ["Flat", "tree", 2, None]},
         "parameter_gather": {V: ["two_level", "deepspeed"], X: ["Two_Level", "ring", "auto", 2, None]},
         "gloo_exchange": {V: ["point_to_point", "collective"], X: ["p2p", "Collective", "auto", 1, None]},
-        "node_size": {V: [None, 1, 2, 8], L: ["2", 2.0], X: [0, -1, 1.5, "x"]},
+        "node_size": {V: [None, 1, 2, 8], X: [0, -1, 1.5, "x", "2", 2.0, True]},
         "on_skip": {V: ["restore", "reset"], X: ["skip", None, 1, "Restore"]},
         "kernels": {V: ["compiled", "reference", "auto"], X: ["cuda", "Reference", None, 1]},
     },
     "nvmeswap": {
         "keep_master_in_ram": BOOL,
-        "folder": {V: [None, SWAP_DIR], L: [""], X: [3, [], True, ["a"]]},
-        "buffer_count": {V: [2, 3, 5], L: ["3", 3.0], X: [1, 65, 0, -1, 2.5, "x", None, 1e300]},
-        "io_threads": {V: [1, 2, 3], L: ["2", True], X: [0, 65, 1.5, None]},
-        "block_size": {
-            V: [4096, 8192, 1 << 20],
-            L: [4096.0, "4096"],
-            X: [4095, 5000, 0, -4096, NAN, INF, "x", None],
+        "folder": {V: [None, SWAP_DIR], X: [3, [], True, ["a"], ""]},
+        "buffer_count": {
+            V: [2, 3, 5, 16],
+            X: [1, 17, 65, 0, -1, 2.5, "x", None, 1e300, "3", 3.0, True, 10**9],
         },
-        "min_swap_numel": {V: [0, 100, 10**9], L: ["0"], X: [-1, 0.5, None]},
+        "io_threads": {V: [1, 2, 3, 32], X: [0, 33, 65, 1.5, None, "2", True, 10**6]},
+        "block_size": {
+            V: [4096, 8192, 1 << 20, 1 << 28],
+            X: [4095, 5000, 0, -4096, NAN, INF, "x", None, 4096.0, "4096", True, 2**40, (1 << 28) + 4096],
+        },
+        "min_swap_numel": {V: [0, 100, 10**9], X: [-1, 0.5, None, "0", False, 0.0]},
         "io_engine": {V: ["detect", "python", "auto"], R: ["native"], X: ["libaio", "Python", None, 1]},
         "fused_adam": {
             V: [True, False, "when_supported", "auto"],
@@ -793,3 +796,59 @@ def test_value_tables_cover_every_field() -> None:
                     if ok != (cls == V):
                         wrong.append(f"{name}.{field} = {value!r}: table says {cls}")
         assert not wrong, "\n".join(wrong)
+
+
+LAX_CLASSES: dict[str, Any] = {
+    "string for a boolean": lambda f, t: ["yes", "no", "true", "false"] if t == "boolean" else [],
+    "number for a boolean": lambda f, t: [0, 1] if t == "boolean" else [],
+    "boolean for a number": lambda f, t: [True, False] if t in ("integer", "number") else [],
+    "string for a number": lambda f, t: ["3", "0.5"] if t in ("integer", "number") else [],
+    "float for an integer": lambda f, t: (
+        [float(v) for v in f.get(V, []) if type(v) is int][:2] if t == "integer" else []
+    ),
+    "huge value": lambda f, t: [10**30] if t == "integer" and f.get("huge") else [],
+}
+"""Each class of lax value: field's table, field's JSON type -> values of that class to try."""
+BOUNDED = {("nvmeswap", "block_size"), ("nvmeswap", "io_threads"), ("nvmeswap", "buffer_count")}
+"""Fields whose upper bound keeps a value from exhausting memory, threads or disk."""
+
+
+def _json_kind(model: Any, field: str) -> str | None:
+    """The field's JSON type (boolean, integer, number), or None for anything else."""
+    prop = model.model_json_schema()["properties"][field]
+    kinds = {s.get("type") for s in prop.get("anyOf", [prop])} - {"null"}
+    if len(kinds) != 1:
+        return None
+    kind = kinds.pop()
+    return kind if kind in ("boolean", "integer", "number") else None
+
+
+def test_lax_value_classes_are_refused_naming_key_and_accepted_values() -> None:
+    """Every lax class (:data:`LAX_CLASSES`) is refused for every field of its JSON type in every
+    plugin (introspected), by ``split_plugin_sections``, with a message naming the key and what
+    is accepted; the table's valid values are still accepted (so the refusal is the type's)."""
+    from zerohooks import ConfigError
+    from zerohooks.config import available_plugins, split_plugin_sections
+
+    plugins = available_plugins()
+    tried: dict[str, int] = dict.fromkeys(LAX_CLASSES, 0)
+    for name in PLUGINS:
+        model = plugins[name].Config
+        for field in model.model_fields:
+            kind = _json_kind(model, field)
+            table = {**TABLES[name][field], "huge": (name, field) in BOUNDED}
+            base: dict[str, Any] = {"fp32_modules": ["fc2"]} if name == "mixedlayers" else {}
+            if name == "autocastzero" and field in SCALING_KEYS:
+                base["dtype"] = "float16"
+            for cls, make in LAX_CLASSES.items():
+                for value in make(table, kind):
+                    tried[cls] += 1
+                    with pytest.raises(ConfigError) as info:
+                        split_plugin_sections({name: {**base, field: value}}, {name: plugins[name]})
+                    message = str(info.value)
+                    assert f"{name}.{field}" in message, (cls, value, message)
+                    assert "accepted" in message or "must be" in message, (cls, value, message)
+            for value in table.get(V, [])[:1]:
+                if value != SWAP_DIR:
+                    split_plugin_sections({name: {**base, field: value}}, {name: plugins[name]})
+    assert all(tried.values()), tried  # every class met at least one field

@@ -46,6 +46,28 @@ def test_nvme_offload_becomes_cpu_offload_owned_by_nvmeswap() -> None:
         (lambda c: c["zero_optimization"]["offload_optimizer"].pop("nvme_path"), "folder for its swap files"),
         (lambda c: c["zero_optimization"].update(offload_param={"device": "nvme"}), "offload_param"),
         (lambda c: c["zero_optimization"]["offload_optimizer"].update(ratio=0.5), "partial offload"),
+        # not a number: named, with the accepted value (was a bare ValueError from float("x"))
+        *(
+            (
+                lambda c, v=v: c["zero_optimization"]["offload_optimizer"].update(ratio=v),
+                r"zero_optimization\.offload_optimizer\.ratio = .* accepted value is the JSON number 1\.0",
+            )
+            for v in ("x", "1.0", True, None, [1])
+        ),
+        *(
+            (
+                lambda c, v=v: c["zero_optimization"].update(stage=v),
+                r"zero_optimization\.stage must be the JSON integer 3; got",
+            )
+            for v in ("three", "3", 3.0, True)
+        ),
+        # bounds that keep RAM, threads and requests sane (documented in the README)
+        (lambda c: c.update(nvmeswap={"buffer_count": 17}), r"buffer_count: .*<= 16"),
+        (lambda c: c.update(nvmeswap={"io_threads": 33}), r"io_threads: .*<= 32"),
+        (lambda c: c.update(nvmeswap={"block_size": 1 << 40}), r"block_size: .*<= 268435456"),
+        (lambda c: c.update(nvmeswap={"io_threads": True}), r"io_threads: .*a JSON integer"),
+        (lambda c: c.update(nvmeswap={"keep_master_in_ram": "no"}), r"keep_master_in_ram: .*true or false"),
+        (lambda c: c.update(nvmeswap={"folder": ""}), r"folder: .*non-empty JSON string"),
         (lambda c: c.update(nvmeswap={"bufer_count": 4}), "did you mean 'buffer_count'"),
         (lambda c: c.update(nvmeswap={"buffer_count": 1}), "buffer_count"),
         (lambda c: c.update(nvmeswap={"block_size": 5000}), "block_size"),

@@ -5,13 +5,16 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from typing import Literal
 
+import pydantic
 import pytest
 
 from zerohooks import ConfigError, PluginConfig, PluginNotInstalledError, ZeroPlugin, available_plugins
 from zerohooks._compat import check_deepspeed_version
 from zerohooks.config import load_config, split_plugin_sections
 from zerohooks.errors import UnsupportedDeepSpeedError
+from zerohooks.strict import StrList
 
 
 class DemoConfig(PluginConfig):
@@ -52,6 +55,60 @@ def test_misspelt_key_names_key_and_accepted_keys() -> None:
 def test_bad_value_names_key_and_value() -> None:
     with pytest.raises(ConfigError, match=r"accumdtype\.bits.*got 'four'"):
         split_plugin_sections({"accumdtype": {"bits": "four"}}, {"accumdtype": DemoPlugin})
+
+
+class StrictDemoConfig(PluginConfig):
+    """One field of each JSON type, to test the strict values every plugin config inherits."""
+
+    flag: bool = False
+    """A boolean."""
+    count: int = pydantic.Field(2, ge=1, le=64)
+    """A bounded integer."""
+    beta: float = pydantic.Field(0.5, ge=0.0, le=1.0)
+    """A bounded number."""
+    bits: Literal[4, 8] = 4
+    """A choice of integers."""
+    names: StrList = ()
+    """A list of strings."""
+
+
+class StrictDemoPlugin(ZeroPlugin):
+    name = "demo"
+    distribution = "test"
+    Config = StrictDemoConfig
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "accepted"),
+    [
+        # strings and numbers for a boolean
+        *(("flag", v, "the JSON boolean true or false") for v in ("yes", "no", "true", "false", 0, 1)),
+        # booleans, strings and floats for an integer; a huge value past the bound
+        *(("count", v, r"a JSON integer \(>= 1, <= 64\)") for v in (True, False, "3", 3.0, 10**30)),
+        # booleans, strings and non-finite values for a number
+        *(
+            ("beta", v, r"a finite JSON number \(>= 0.0, <= 1.0\)")
+            for v in (True, False, "0.5", float("nan"))
+        ),
+        # an equal value of another JSON type for a choice of integers
+        *(("bits", v, "one of 4, 8") for v in (4.0, 8.0, "4", True)),
+        # not strings in a list of strings, or a bare number
+        *(("names", v, "a JSON array of strings") for v in ([1], [True], 3)),
+    ],
+)
+def test_lax_values_are_refused_naming_key_and_accepted_values(
+    field: str, value: object, accepted: str
+) -> None:
+    with pytest.raises(ConfigError, match=rf"demo\.{field}(\.\d+)?: .*accepted: {accepted}") as info:
+        split_plugin_sections({"demo": {field: value}}, {"demo": StrictDemoPlugin})
+    got = value[0] if isinstance(value, list) else value  # an element is named by its index
+    assert f"got {got!r}" in str(info.value)
+
+
+def test_strict_values_accept_json_types() -> None:
+    section = {"flag": True, "count": 64, "beta": 1, "bits": 8, "names": ["a", "b"]}
+    (plugin,) = split_plugin_sections({"demo": section}, {"demo": StrictDemoPlugin})
+    assert plugin.config == StrictDemoConfig(flag=True, count=64, beta=1.0, bits=8, names=("a", "b"))
 
 
 def test_missing_plugin_names_the_distribution() -> None:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from zerohooks import ConfigError, PluginConfig
+from zerohooks.strict import StrList
 
 __all__ = [
     "DEFAULT_SAFE_MODULES",
@@ -86,6 +87,11 @@ def _scale_problem(value: float) -> str | None:
     return None
 
 
+def _is_number(value: Any) -> bool:
+    """A JSON number (integer or not), never a boolean or a string."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 _SCALE_RANGE = f"from 2**-24 ({MIN_LOSS_SCALE:g}) to 2**{MAX_SCALE_POWER} ({MAX_LOSS_SCALE:.0f})"
 
 
@@ -118,17 +124,17 @@ class AutocastZeroConfig(PluginConfig):
     """Autocast dtype of the forward pass, and the communication dtype of lower-precision-safe
     modules (``bf16``/``fp16`` are accepted too)."""
 
-    lower_precision_safe_modules: tuple[str, ...] = DEFAULT_SAFE_MODULES
+    lower_precision_safe_modules: StrList = DEFAULT_SAFE_MODULES
     """Dotted import paths of module classes whose parameters are lower-precision safe.  A module
     matches when it is an instance of a listed class, subclasses included.  Default:
     :data:`DEFAULT_SAFE_MODULES` (torch's Linear and Conv1d/2d/3d, transformers' ``Conv1D``)."""
 
-    lower_precision_safe_names: tuple[str, ...] = ()
+    lower_precision_safe_names: StrList = ()
     """``fnmatch`` globs of module names (as in ``model.named_modules()``, e.g. ``"blocks.*.mlp.*"``)
     whose own parameters are lower-precision safe, in addition to the classes above.  Every glob
     must match at least one module."""
 
-    fp32_names: tuple[str, ...] = ()
+    fp32_names: StrList = ()
     """Globs of module names whose parameters stay fp32 in communication even when their class or
     name says safe (checked last).  Every glob must match at least one module."""
 
@@ -165,9 +171,14 @@ class AutocastZeroConfig(PluginConfig):
         key = str(value).lower()
         return _ALIASES.get(key, value)
 
-    @pydantic.field_validator("loss_scale")
+    @pydantic.field_validator("loss_scale", mode="before")
     @classmethod
-    def _static_scale(cls, value: float) -> float:
+    def _static_scale(cls, value: Any) -> Any:
+        if not _is_number(value):
+            raise ValueError(
+                f"must be 0 (dynamic loss scaling) or a static scale, a finite JSON number {_SCALE_RANGE}, "
+                f"not a JSON {type(value).__name__}"
+            )
         why = None if value == 0 else _scale_problem(value)
         if why is not None:
             raise ValueError(
@@ -175,9 +186,13 @@ class AutocastZeroConfig(PluginConfig):
             )
         return value
 
-    @pydantic.field_validator("min_loss_scale")
+    @pydantic.field_validator("min_loss_scale", mode="before")
     @classmethod
-    def _floor(cls, value: float) -> float:
+    def _floor(cls, value: Any) -> Any:
+        if not _is_number(value):
+            raise ValueError(
+                f"must be a finite JSON number {_SCALE_RANGE}, not a JSON {type(value).__name__}"
+            )
         why = _scale_problem(value)
         if why is not None:
             raise ValueError(f"must be a finite number {_SCALE_RANGE}: {why}")

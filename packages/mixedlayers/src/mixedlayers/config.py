@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from zerohooks import ConfigError, PluginConfig, SetupContext
+from zerohooks.strict import StrList
 
 __all__ = ["MixedLayersConfig", "add_sharers", "check_deepspeed_config", "outermost", "select_modules"]
 
@@ -27,11 +28,11 @@ OutputDtype = Literal["input", "train", "fp32"]
 class MixedLayersConfig(PluginConfig):
     """The ``"mixedlayers"`` section of the DeepSpeed config."""
 
-    fp32_modules: tuple[str, ...] = ()
+    fp32_modules: StrList = ()
     """Globs (``fnmatch``: ``*``, ``?``, ``[..]``) on qualified module names as
     ``model.named_modules()`` gives them, e.g. ``"blocks.*.norm"``, ``"head"``; ``""`` is the
     root module.  Each must match at least one module."""
-    fp32_module_types: tuple[str, ...] = ()
+    fp32_module_types: StrList = ()
     """Module classes whose instances (subclasses included) are kept in fp32: a dotted import path
     (``"torch.nn.LayerNorm"``) or a bare class name (``"LayerNorm"``, matched against the names
     of every class in an instance's MRO).  Each must match at least one module."""

@@ -8,7 +8,15 @@ import pydantic
 
 from zerohooks import ConfigError, PluginConfig
 
-__all__ = ["NvmeSwapConfig", "rewrite_offload"]
+__all__ = ["MAX_BLOCK_SIZE", "MAX_BUFFERS", "MAX_IO_THREADS", "NvmeSwapConfig", "rewrite_offload"]
+
+
+MAX_BUFFERS = 16
+"""Upper bound of ``buffer_count`` (each buffer holds one sub-group's swapped state in RAM)."""
+MAX_IO_THREADS = 32
+"""Upper bound of ``io_threads`` (per buffer)."""
+MAX_BLOCK_SIZE = 1 << 28
+"""Upper bound of ``block_size`` (256 MiB per request)."""
 
 
 class NvmeSwapConfig(PluginConfig):
@@ -22,15 +30,18 @@ class NvmeSwapConfig(PluginConfig):
     keep_master_in_ram: bool = False
     """Keep the fp32 master parameters in RAM and swap only the optimizer moments (8 bytes per
     parameter written and read per step instead of 12); costs 4 bytes of RAM per parameter."""
-    folder: str | None = None
-    """Folder of the swap files; default: ``offload_optimizer.nvme_path``.  Each rank uses
-    ``<folder>/nvmeswap/rank<R>/``."""
-    buffer_count: int = pydantic.Field(3, ge=2, le=64)
-    """Sub-group buffers in RAM: one being stepped, one being read ahead, the rest being written."""
-    io_threads: int = pydantic.Field(2, ge=1, le=64)
-    """I/O threads per buffer (requests in flight per buffer)."""
-    block_size: int = pydantic.Field(1 << 20, ge=4096, multiple_of=4096)
-    """Bytes per I/O request; a sub-group's file is read and written in pieces of this size."""
+    folder: str | None = pydantic.Field(None, min_length=1)
+    """Folder of the swap files; default (absent or null): ``offload_optimizer.nvme_path``.  Each
+    rank uses ``<folder>/nvmeswap/rank<R>/``.  An empty string is refused."""
+    buffer_count: int = pydantic.Field(3, ge=2, le=MAX_BUFFERS)
+    """Sub-group buffers in RAM: one being stepped, one being read ahead, the rest being written.
+    At most 16: each buffer holds a whole sub-group's swapped state in RAM."""
+    io_threads: int = pydantic.Field(2, ge=1, le=MAX_IO_THREADS)
+    """I/O threads per buffer (requests in flight per buffer); at most 32 (threads in all:
+    ``buffer_count * io_threads``)."""
+    block_size: int = pydantic.Field(1 << 20, ge=4096, le=MAX_BLOCK_SIZE, multiple_of=4096)
+    """Bytes per I/O request, a multiple of 4096 from 4 KiB to 256 MiB; a sub-group's file is
+    read and written in pieces of this size."""
     min_swap_numel: int = pydantic.Field(0, ge=0)
     """Sub-groups with fewer elements stay in RAM (DeepSpeed's own swapper keeps those under 1 MiB)."""
     io_engine: Literal["detect", "native", "python"] = "detect"
@@ -65,9 +76,12 @@ def rewrite_offload(ds_config: dict[str, Any], cfg: NvmeSwapConfig) -> str:
     sub-group's step.  Returns the swap folder.
     """
     zero = ds_config.get("zero_optimization")
-    if not isinstance(zero, dict) or int(zero.get("stage", 0)) != 3:
-        got = zero.get("stage", 0) if isinstance(zero, dict) else None
-        raise ConfigError(f'"nvmeswap" needs ZeRO stage 3 (zero_optimization.stage = 3); got stage {got}')
+    got = zero.get("stage", 0) if isinstance(zero, dict) else None
+    if type(got) is not int or got != 3:
+        raise ConfigError(
+            f'"nvmeswap" needs ZeRO stage 3: zero_optimization.stage must be the JSON integer 3; got {got!r}'
+        )
+    assert isinstance(zero, dict)
     off = zero.get("offload_optimizer")
     device = off.get("device") if isinstance(off, dict) else None
     if device != "nvme":
@@ -88,10 +102,14 @@ def rewrite_offload(ds_config: dict[str, Any], cfg: NvmeSwapConfig) -> str:
             '"nvmeswap" needs a folder for its swap files: set zero_optimization.offload_optimizer.nvme_path '
             'or "nvmeswap": {"folder": ...}'
         )
-    if float(off.get("ratio", 1.0)) != 1.0:
+    ratio = off.get("ratio", 1.0)
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or ratio != 1.0:
+        partial = (
+            " (partial offload)" if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) else ""
+        )
         raise ConfigError(
-            f"offload_optimizer.ratio={off.get('ratio')} (partial offload) is not supported with nvmeswap; "
-            "remove it (default 1.0)"
+            f"zero_optimization.offload_optimizer.ratio = {ratio!r}{partial} is not supported with nvmeswap: "
+            "the accepted value is the JSON number 1.0 (the default): remove the key"
         )
     new = {k: v for k, v in off.items() if k not in ("pipeline_read", "pipeline_write", "buffer_count")}
     new["device"] = "cpu"

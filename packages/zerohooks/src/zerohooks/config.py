@@ -16,6 +16,7 @@ import pydantic
 
 from zerohooks.errors import ConfigError, PluginNotInstalledError
 from zerohooks.plugin import ZeroPlugin
+from zerohooks.strict import accepted
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -137,8 +138,33 @@ def _format_validation_error(
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             lines.append(f"  {key}: unknown key{hint}; accepted keys: {', '.join(fields)}")
         else:
-            lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+            field = str(e["loc"][0]) if e["loc"] else ""
+            what = accepted(model, field) if field in model.model_fields else None
+            got = e.get("input")
+            hint = f"; accepted: {what}" if what else ""
+            lines.append(f"  {key}: {e['msg']} (got {got!r}, a JSON {_json_type(got)}){hint}")
     return "\n".join(lines)
+
+
+def _json_type(value: Any) -> str:
+    """The JSON type of a parsed value, as a user wrote it."""
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if value is None:
+        return "null"
+    return (
+        "array"
+        if isinstance(value, (list, tuple))
+        else "object"
+        if isinstance(value, dict)
+        else type(value).__name__
+    )
 
 
 def _normalised(key: str) -> str:

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import pydantic
 
+from zerohooks.strict import STRICT, exact_literal_types
+
 if TYPE_CHECKING:
     from zerohooks.hookspec import SetupContext
     from zerohooks.registry import HookRegistry
@@ -23,9 +25,11 @@ class PluginInUseError(RuntimeError):
 
 
 class PluginConfig(pydantic.BaseModel):
-    """Base of every plugin's config section: unknown keys are errors, values are frozen."""
+    """Base of every plugin's config section: unknown keys are errors, values are frozen, and
+    values are strict JSON (:mod:`zerohooks.strict`: a boolean only from ``true``/``false``, an
+    integer only from a JSON integer, a number never from a boolean or a string, finite)."""
 
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, **STRICT)
 
     auto_aliases: ClassVar[dict[str, str]] = {}
     """Keys whose value ``"auto"`` is read as the given word before validation (the config then
@@ -42,6 +46,13 @@ class PluginConfig(pydantic.BaseModel):
                 for k, v in data.items()
             }
         return data
+
+    @pydantic.field_validator("*", mode="before")
+    @classmethod
+    def _exact_choices(cls, value: Any, info: pydantic.ValidationInfo) -> Any:
+        if info.field_name is not None:
+            exact_literal_types(cls, info.field_name, value)
+        return value
 
 
 class ZeroPlugin:
