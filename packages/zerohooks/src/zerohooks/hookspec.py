@@ -295,7 +295,10 @@ class StateProvider(Protocol):
     """
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the state to save; tensors are saved with ``torch.save``."""
+        """Return the state to save, as plain data: dicts (string or integer keys), lists,
+        tuples, strings, numbers, booleans, None and tensors (dtypes and the like as strings).
+        It is read back with ``torch.load(..., weights_only=True)``; anything else is refused
+        when saving (``ValueError``) and when loading."""
         ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
