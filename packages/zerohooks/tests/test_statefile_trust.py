@@ -17,7 +17,6 @@ import warnings
 from fractions import Fraction
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -150,6 +149,7 @@ def test_symlinks_are_never_followed(tmp_path) -> None:
 
 
 def test_convert_state_rewrites_a_trusted_old_file(tmp_path, capsys) -> None:
+    np = pytest.importorskip("numpy")
     path = str(tmp_path / "zerohooks_state_rank00000.pt")
     old = _payload(statefile.LEGACY_FORMAT, dtype=torch.bfloat16, size=torch.Size([2, 3]), count=np.int64(7))
     old["states"]["p"]["array"] = np.arange(3, dtype=np.float32)
