@@ -156,11 +156,11 @@ def prebuild(args: argparse.Namespace) -> None:
     """Build the C++ kernels of the plugins these runs use once, here, before the ranks start
     (`python -m zerohooks.build`): the ranks then load them, and the build says what it does."""
     try:
-        from zerohooks.build import TARGETS, build
+        from zerohooks.build import build, plugin_targets
     except ImportError:
         return
     used = {p for spec in args.run_list for p in run_registry.resolve(spec, args.plugin_list).plugins}
-    targets = [t for t in TARGETS if t in used]
+    targets = [t for t in plugin_targets() if t in used]
     if targets:
         build(targets)
 

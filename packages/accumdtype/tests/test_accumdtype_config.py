@@ -15,7 +15,7 @@ from accumdtype import AccumDtypeConfig, AccumDtypePlugin, grad_accum, make_plan
 from accumdtype.config import apply_plan, lossless
 from zerohooks import ConfigError
 from zerohooks.config import split_plugin_sections
-from zerohooks.initialize import setup_context
+from zerohooks.dsconfig import setup_context
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

@@ -37,7 +37,7 @@ from _accum_common import ds_config, full_params, make_model, micro_step, refere
 import zerohooks
 from accumdtype import AccumDtypePlugin, MidWindowCheckpointError
 from zerohooks.adapter import attach
-from zerohooks.initialize import setup_context
+from zerohooks.dsconfig import setup_context
 from zerohooks.registry import HookRegistry
 
 STEPS, GAS = 3, 4

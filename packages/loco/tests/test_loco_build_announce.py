@@ -32,7 +32,7 @@ def test_the_kernel_build_is_announced(tmp_path: Path, monkeypatch: pytest.Monke
 
     monkeypatch.setattr(zerohooks.jit, "announce_build", announce)
     monkeypatch.setattr(cpp_extension, "load", fake_load)
-    ops._build(ops.build_name("cpu"), [ops.CSRC / "loco_ops.cpp"])
+    ops.extension("cpu")._build()
     assert [e[0] for e in events] == ["start", "compile", "end"]
     _, what, kwargs = events[0]
     assert "loco" in what and ops.build_name("cpu") in what
@@ -44,3 +44,12 @@ def test_the_kernel_build_is_announced(tmp_path: Path, monkeypatch: pytest.Monke
 def test_build_name_is_the_extension_folder() -> None:
     assert ops.build_name("cpu").startswith("loco_cpu_")
     assert ops.build_name("cuda") == "loco_cuda"
+
+
+def test_loco_declares_its_extensions_for_zerohooks_build() -> None:
+    from loco.plugin import LocoPlugin
+    from zerohooks import build
+
+    assert LocoPlugin.native == (ops.EXTENSIONS["cpu"], ops.EXTENSIONS["cuda"])
+    target = build.plugin_targets()["loco"]
+    assert ops.build_name("cpu") in target.names()

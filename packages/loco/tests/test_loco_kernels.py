@@ -258,17 +258,11 @@ def test_opcheck(native: None) -> None:
 
 def test_a_failed_build_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """A compiler error is a warning, then the reference runs; LOCO_KERNELS=reference skips the build."""
-    monkeypatch.setattr(ops, "_state", {})
-    monkeypatch.setattr(ops, "_errors", {})
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++;\n")
-    monkeypatch.setattr(ops, "CSRC", tmp_path)
     monkeypatch.setattr(ops, "_cpu_tag", lambda: "broken_test")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    real_try = ops._try
-    monkeypatch.setattr(
-        ops, "_try", lambda device, name, sources, cuda=False: real_try(device, name, [broken], cuda)
-    )
+    monkeypatch.setitem(ops.EXTENSIONS, "cpu", ops.extension("cpu", [broken]))
     with pytest.warns(RuntimeWarning, match="could not build the CPU kernels.*reference"):
         assert ops.load("cpu") is False
     assert ops.build_error("cpu") and not ops.available("cpu")
@@ -279,7 +273,7 @@ def test_a_failed_build_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch, tm
     q2, s2 = q.clone(), s.clone()
     reference.quantize_ef(g, torch.empty(0, dtype=torch.int8), torch.empty(0), 0.8, 4, 128, 256, q2, s2)
     assert torch.equal(q, q2) and torch.equal(s, s2)
-    monkeypatch.setattr(ops, "_state", {})
+    monkeypatch.setitem(ops.EXTENSIONS, "cpu", ops.extension("cpu"))
     monkeypatch.setenv("LOCO_KERNELS", "reference")
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -18,7 +18,7 @@ from mixedlayers.config import add_sharers, check_deepspeed_config, outermost
 from mixedlayers.state import keep_fp32, restore_fp32, shadow_module_to
 from zerohooks import ConfigError
 from zerohooks.config import split_plugin_sections
-from zerohooks.initialize import setup_context
+from zerohooks.dsconfig import setup_context
 from zerohooks.testing.toy import TinyNet, ds_config, make_model
 
 

@@ -147,12 +147,7 @@ class Plan:
         return self.accum_dtype != self.model_dtype
 
 
-def _explicit(ds_config: dict[str, Any], key: str, what: str) -> DtypeName | None:
-    if key == "grad_accum_dtype":
-        section = ds_config.get("data_types") or {}
-        value = section.get(key) if isinstance(section, dict) else None
-    else:
-        value = ds_config.get(key)
+def _explicit(value: Any, what: str) -> DtypeName | None:
     return None if value is None else parse_dtype(value, what)
 
 
@@ -162,16 +157,15 @@ def make_plan(cfg: AccumDtypeConfig, ctx: SetupContext) -> Plan:
     Raises :class:`zerohooks.ConfigError` for lossy combinations without ``allow_lossy`` and for
     conflicts with DeepSpeed keys the user set.
     """
-    ds = ctx.config
     stage, model = ctx.zero_stage, ctx.train_dtype
     accum = DTYPES[cfg.dtype]
-    user_accum = _explicit(ds, "grad_accum_dtype", "data_types.grad_accum_dtype")
+    user_accum = _explicit(ctx.grad_accum_dtype, "data_types.grad_accum_dtype")
     if user_accum is not None and DTYPES[user_accum] != accum:
         raise ConfigError(
             f'data_types.grad_accum_dtype="{user_accum}" conflicts with accumdtype.dtype="{cfg.dtype}": '
             "remove data_types.grad_accum_dtype (accumdtype sets it where DeepSpeed handles it)"
         )
-    user_comm = _explicit(ds, "communication_data_type", "communication_data_type")
+    user_comm = _explicit(ctx.communication_data_type, "communication_data_type")
     ds_comm = DTYPES[user_comm] if user_comm is not None else model
     if cfg.reduce_dtype == "inherit":
         reduce = ds_comm if user_comm is not None else accum

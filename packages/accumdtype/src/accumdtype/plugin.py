@@ -15,7 +15,6 @@ from accumdtype.config import AccumDtypeConfig, Plan, apply_plan, make_plan
 from accumdtype.state import AccumState, accumulate, end_window, hand_to_optimizer, reduction_tensor
 from zerohooks import PluginConfig, SetupContext, StepContext, ZeroPlugin
 from zerohooks.hookspec import AfterStepHook, BeforeStepHook, MicroStepGradHook, ReduceTensorHook
-from zerohooks.initialize import setup_context
 from zerohooks.registry import HookRegistry
 
 __all__ = ["FIRST", "LAST", "AccumDtypePlugin"]
@@ -52,7 +51,7 @@ class AccumDtypePlugin(ZeroPlugin):
 
     # -- before DeepSpeed ---------------------------------------------------------------------
     def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
-        self.plan = make_plan(self.cfg, setup_context(ds_config))
+        self.plan = make_plan(self.cfg, self.deepspeed)
         apply_plan(self.plan, ds_config)
 
     def attach(self, registry: HookRegistry, ctx: SetupContext) -> None:

@@ -2,10 +2,11 @@
 
 The schemas live in C++ (``csrc/loco_ops.cpp``, ``TORCH_LIBRARY(loco, m)``), with the CPU
 implementation (``TORCH_LIBRARY_IMPL(loco, CPU, m)``); ``csrc/loco_cuda.cpp`` and
-``csrc/loco_kernels.cu`` add the CUDA one.  :func:`load` builds them with
-``torch.utils.cpp_extension.load`` (ninja) into ``TORCH_EXTENSIONS_DIR`` (torch's default when
-unset), once per process; a failed build is a warning and the pure-torch reference
-(:mod:`loco.reference`) is used instead, never a crash.  ``LOCO_KERNELS=reference`` in the
+``csrc/loco_kernels.cu`` add the CUDA one.  :data:`EXTENSIONS` describes them
+(:class:`zerohooks.native.NativeExtension`: zerohooks builds them with
+``torch.utils.cpp_extension.load`` into ``TORCH_EXTENSIONS_DIR`` once per process; a failed
+build is a warning and the pure-torch reference (:mod:`loco.reference`) is used instead, never a
+crash).  ``LOCO_KERNELS=reference`` in the
 environment skips the build.
 
 The wrappers (:func:`quantize_ef`, :func:`dequant_reduce_requant`, :func:`dequant_reduce`) call
@@ -17,33 +18,30 @@ send buffer and nothing is allocated per call.
 
 from __future__ import annotations
 
-import os
-import threading
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from loco import reference
+from zerohooks.native import NativeExtension
 
 __all__ = [
     "CSRC",
+    "EXTENSIONS",
     "available",
     "build_error",
     "build_name",
     "cpu_build_flags",
     "dequant_reduce",
     "dequant_reduce_requant",
+    "extension",
     "load",
     "load_distributed",
     "quantize_ef",
 ]
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-_lock = threading.RLock()
-_state: dict[str, bool] = {}  # device type -> compiled operators usable
-_errors: dict[str, str] = {}
 _fakes_registered = False
 
 
@@ -71,91 +69,75 @@ def build_name(device_type: str = "cpu") -> str:
 CUDA_CFLAGS = ["-O3", "--fmad=false"]
 
 
-def _build(name: str, sources: list[Path], cuda: bool = False) -> None:
-    from torch.utils.cpp_extension import load as cpp_load
+def _fakes(module: Any) -> None:
+    _register_fakes()
 
-    from zerohooks.jit import announce_build, extension_cached
 
-    kwargs: dict[str, Any] = {}
-    if cuda:
-        kwargs["extra_cuda_cflags"] = list(CUDA_CFLAGS)
-    with announce_build(
-        f"loco's {'CUDA' if cuda else 'CPU'} kernels ({name})",
+def _cuda_device() -> str | None:
+    return None if torch.cuda.is_available() else "no CUDA device"
+
+
+def extension(device_type: str, sources: list[Path] | None = None) -> NativeExtension:
+    """The description of the ``device_type`` kernels (``sources`` replaces their sources: tests)."""
+    common: dict[str, Any] = dict(
+        owner="loco",
+        name=build_name(device_type),
         why="loco's 4-bit quantize/reduce operators; LOCO_KERNELS=reference skips them (slower, same results)",
-        eta="a few minutes" if cuda else "about 1 min on 2 CPU cores",
-        hint="python -m zerohooks.build loco",
-        cached=extension_cached(name),
-    ):
-        cpp_load(
-            name=name,
-            sources=[str(s) for s in sources],
-            extra_cflags=cpu_build_flags(),
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(CSRC)],
-            is_python_module=False,
-            verbose=os.environ.get("LOCO_VERBOSE_BUILD", "") not in ("", "0"),
-            **kwargs,
+        fallback="the pure-torch reference implementation (slower, same results)",
+        cflags=tuple(cpu_build_flags()),
+        ldflags=("-fopenmp",),
+        include_paths=(CSRC,),
+        disable_env=("LOCO_KERNELS", "reference"),
+        verbose_env="LOCO_VERBOSE_BUILD",
+    )
+    if device_type == "cpu":
+        return NativeExtension(
+            what="the CPU kernels",
+            sources=tuple(sources or [CSRC / "loco_ops.cpp"]),
+            eta="about 1 min on 2 CPU cores",
+            verify=_fakes,
+            **common,
         )
+    return NativeExtension(
+        what="the CUDA kernels",
+        sources=tuple(sources or [CSRC / "loco_cuda.cpp", CSRC / "loco_kernels.cu"]),
+        eta="a few minutes",
+        cuda_cflags=tuple(CUDA_CFLAGS),
+        needs=(EXTENSIONS["cpu"],),  # the schemas live in the CPU library
+        precondition=_cuda_device,
+        **common,
+    )
 
 
-def _try(device: str, name: str, sources: list[Path], cuda: bool = False) -> bool:
-    try:
-        _build(name, sources, cuda)
-    except Exception as e:  # compiler missing, build error, load error: fall back
-        _errors[device] = f"{type(e).__name__}: {e}"
-        warnings.warn(
-            f"loco: could not build the {device.upper()} kernels ({_errors[device].splitlines()[0][:300]}); "
-            "using the pure-torch reference implementation instead (slower, same results)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return False
-    return True
+EXTENSIONS: dict[str, NativeExtension] = {}
+"""loco's extensions by device type (its ``LocoPlugin.native``)."""
+EXTENSIONS["cpu"] = extension("cpu")
+EXTENSIONS["cuda"] = extension("cuda")
 
 
 def load(device_type: str = "cpu") -> bool:
     """Build (first call) and load the compiled operators for ``device_type``; True if usable."""
-    with _lock:
-        if device_type in _state:
-            return _state[device_type]
-        ok = False
-        if os.environ.get("LOCO_KERNELS", "") == "reference":
-            _errors[device_type] = "disabled by LOCO_KERNELS=reference"
-        elif device_type == "cpu":
-            ok = _try("cpu", build_name("cpu"), [CSRC / "loco_ops.cpp"])
-        elif device_type == "cuda":
-            if not load("cpu"):  # the schemas live in the CPU library
-                _errors["cuda"] = "the CPU library (operator schemas) is not available"
-            elif not torch.cuda.is_available():
-                _errors["cuda"] = "no CUDA device"
-            else:
-                ok = _try(
-                    "cuda", build_name("cuda"), [CSRC / "loco_cuda.cpp", CSRC / "loco_kernels.cu"], cuda=True
-                )
-        else:
-            _errors[device_type] = f"no kernels for device type {device_type!r}"
-        if ok:
-            _register_fakes()
-        _state[device_type] = ok
-        return ok
+    ext = EXTENSIONS.get(device_type)
+    return ext is not None and ext.load()
 
 
 def load_distributed(device_type: str = "cpu") -> bool:
     """:func:`load` with local rank 0 of each machine building while the other ranks wait; they
-    then load its cached build (or try again themselves where it failed)."""
-    from zerohooks.jit import local_rank0_first
-
-    return bool(local_rank0_first(lambda build=True: load(device_type)))
+    then load its cached build (or give up where it failed)."""
+    ext = EXTENSIONS.get(device_type)
+    return ext is not None and ext.load_distributed()
 
 
 def available(device_type: str) -> bool:
     """True when the compiled operators were loaded for ``device_type`` (no build attempted)."""
-    return _state.get(device_type, False)
+    ext = EXTENSIONS.get(device_type)
+    return ext is not None and ext.available
 
 
 def build_error(device_type: str) -> str | None:
     """Why the compiled operators are not available for ``device_type`` (None if they are)."""
-    return _errors.get(device_type)
+    ext = EXTENSIONS.get(device_type)
+    return f"no kernels for device type {device_type!r}" if ext is None else ext.error
 
 
 # ---- fake implementations (shapes only) for torch.compile / FakeTensor ---------------------------
@@ -208,7 +190,7 @@ def _register_fakes() -> None:
 
 
 def _native(t: torch.Tensor, use_kernels: bool) -> bool:
-    return use_kernels and _state.get(t.device.type, False)
+    return use_kernels and available(t.device.type)
 
 
 def quantize_ef(

@@ -167,6 +167,7 @@ class LocoPlugin(ZeroPlugin):
     name = "loco"
     distribution = "zerohooks-loco"
     Config = LocoConfig
+    native = (ops.EXTENSIONS["cpu"], ops.EXTENSIONS["cuda"])
 
     def __init__(self, config: PluginConfig | None = None) -> None:
         super().__init__(config or LocoConfig())

@@ -65,37 +65,30 @@ class MixedLayersConfig(PluginConfig):
 
 def check_deepspeed_config(ctx: SetupContext) -> None:
     """Refuse DeepSpeed settings mixedlayers cannot honour."""
-    cfg = ctx.config
     if ctx.train_dtype not in (torch.float16, torch.bfloat16):
         raise ConfigError(
             'mixedlayers keeps modules in fp32 inside a 16-bit model: enable DeepSpeed\'s "bf16" or "fp16" '
             "section (the model trains in fp32 otherwise, so there is nothing to keep)"
         )
-    zero = cfg.get("zero_optimization") or {}
-    offload_param = zero.get("offload_param") or {}
-    if isinstance(offload_param, dict) and offload_param.get("device") not in (None, "none"):
+    if ctx.offload_param is not None:
         raise ConfigError(
             "mixedlayers does not support zero_optimization.offload_param (DeepSpeed keeps one flat "
             "16-bit CPU buffer for all offloaded parameters); use offload_optimizer only"
         )
-    offload_opt = zero.get("offload_optimizer") or {}
-    if ctx.zero_stage == 3 and isinstance(offload_opt, dict) and offload_opt.get("device") == "nvme":
+    if ctx.zero_stage == 3 and ctx.offload_optimizer == "nvme":
         raise ConfigError(
             'mixedlayers does not support ZeRO 3 with offload_optimizer.device "nvme"; use "cpu" or "none"'
         )
-    data_types = cfg.get("data_types") or {}
-    accum = data_types.get("grad_accum_dtype") if isinstance(data_types, dict) else None
+    accum = ctx.grad_accum_dtype
     if ctx.zero_stage > 0 and accum not in (None, "fp32", "float32", "float"):
         raise ConfigError(
             f"mixedlayers on ZeRO {ctx.zero_stage} accumulates gradients in fp32; "
             f'data_types.grad_accum_dtype="{accum}" would downcast the fp32 modules\' gradients: '
             'remove it or set it to "fp32"'
         )
-    for key in ("torch_autocast", "amp"):
-        section = cfg.get(key)
-        if isinstance(section, dict) and section.get("enabled", False):
-            raise ConfigError(f'mixedlayers cannot be combined with DeepSpeed\'s "{key}" section')
-    if isinstance(data_types, dict) and data_types.get("buffer_dtype") is not None:
+    for key in ctx.deepspeed_autocast:
+        raise ConfigError(f'mixedlayers cannot be combined with DeepSpeed\'s "{key}" section')
+    if ctx.buffer_dtype is not None:
         raise ConfigError(
             "mixedlayers manages buffer dtypes itself (keep_buffers); remove data_types.buffer_dtype"
         )

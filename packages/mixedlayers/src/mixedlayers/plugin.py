@@ -36,7 +36,6 @@ from mixedlayers.zero3 import restore_zero3
 from mixedlayers.zero12 import fp32_accumulation_by_config, install_fp32_accumulation, install_fp32_staging
 from zerohooks import ConfigError, PluginConfig, SetupContext, ZeroPlugin
 from zerohooks.hookspec import GatherDtypeHook, PrepareModelHook, PrepareParametersHook, ReduceDtypeHook
-from zerohooks.initialize import setup_context
 from zerohooks.registry import HookRegistry
 
 __all__ = ["MixedLayersPlugin", "mixed_state"]
@@ -85,7 +84,7 @@ class MixedLayersPlugin(ZeroPlugin):
 
     @override
     def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
-        ctx = setup_context(ds_config)
+        ctx = self.deepspeed
         if self.under_autocast:
             return  # autocastzero refuses DeepSpeed's bf16/fp16 sections; parameters stay fp32
         check_deepspeed_config(ctx)

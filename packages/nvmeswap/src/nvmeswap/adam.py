@@ -14,18 +14,25 @@ materialises the fp32 gradient of the slice it is given).
 from __future__ import annotations
 
 import dataclasses
-import os
-import threading
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["AdamHyper", "adam_step_", "build_error", "load", "reference_adam_step_", "supported", "uses_fma"]
+from zerohooks.native import NativeExtension
+
+__all__ = [
+    "EXTENSION",
+    "AdamHyper",
+    "adam_step_",
+    "build_error",
+    "load",
+    "reference_adam_step_",
+    "supported",
+    "uses_fma",
+]
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-_lock = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +59,7 @@ class AdamHyper:
         return (self.lr, self.beta1, self.beta2, self.eps, self.weight_decay, self.decoupled, self.step)
 
 
-_state: dict[str, Any] = {"tried": False, "ok": False, "error": None, "fma": True}
+_fma = [True]  # whether the loaded kernel rounds with fused multiply-adds (set by _verify)
 
 
 def _simd_flags() -> tuple[str, list[str]]:
@@ -63,30 +70,6 @@ def _simd_flags() -> tuple[str, list[str]]:
     if cap.upper().startswith("AVX"):
         return "nvmeswap_adam_avx2", ["-mavx2", "-mfma", "-mf16c"]
     return "nvmeswap_adam_portable", []
-
-
-def _build() -> None:
-    from torch.utils.cpp_extension import load as jit_load
-
-    from zerohooks.jit import announce_build, extension_cached
-
-    name, simd = _simd_flags()
-    with announce_build(
-        f"nvmeswap's fused Adam kernel ({name})",
-        why="the optimizer step on swapped-in state; NVMESWAP_ADAM=python skips it (torch operations)",
-        eta="about 30 s on 2 CPU cores",
-        hint="python -m zerohooks.build nvmeswap",
-        cached=extension_cached(name),
-    ):
-        jit_load(
-            name=name,
-            sources=[str(CSRC / "nvmeswap_adam.cpp")],
-            # -ffp-contract=off: every multiply and add rounded as torch's kernels round them
-            extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp", *simd],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=os.environ.get("NVMESWAP_VERBOSE_BUILD", "") not in ("", "0"),
-        )
 
 
 def _agrees_with_torch(fma: bool) -> bool:
@@ -115,66 +98,59 @@ def _agrees_with_torch(fma: bool) -> bool:
     return True
 
 
-def _fail(reason: str, warn: bool = True) -> None:
-    _state["ok"], _state["error"] = False, reason
-    if warn:
-        warnings.warn(
-            f"nvmeswap: the fused Adam kernel is not used ({reason.splitlines()[0][:300]}); the same "
-            "step runs as torch operations (bitwise the same, one fp32 gradient per parameter slice)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+def _verify(module: Any) -> str | None:
+    """Torch's AVX2/AVX-512 kernels fuse some multiply-adds, its portable ones do not: use the
+    rounding this torch uses, or none if neither agrees bit for bit."""
+    for fma in (True, False):
+        if _agrees_with_torch(fma):
+            _fma[0] = fma
+            return None
+    return (
+        "it does not reproduce this torch's Adam/AdamW bit for bit (CPU capability "
+        f"{_simd_flags()[0]}, torch {torch.__version__})"
+    )
+
+
+EXTENSION = NativeExtension(
+    owner="nvmeswap",
+    name=_simd_flags()[0],
+    what="the fused Adam kernel",
+    sources=(CSRC / "nvmeswap_adam.cpp",),
+    why="the optimizer step on swapped-in state; NVMESWAP_ADAM=python skips it (torch operations)",
+    eta="about 30 s on 2 CPU cores",
+    fallback="the same step as torch operations (bitwise the same, one fp32 gradient per parameter slice)",
+    # -ffp-contract=off: every multiply and add rounded as torch's kernels round them
+    cflags=("-O3", "-ffp-contract=off", "-fopenmp", *_simd_flags()[1]),
+    ldflags=("-fopenmp",),
+    disable_env=("NVMESWAP_ADAM", "python"),
+    verbose_env="NVMESWAP_VERBOSE_BUILD",
+    verify=_verify,
+)
+"""The fused Adam kernel (one of ``NvmeSwapPlugin.native``)."""
 
 
 def load(build: bool = True) -> bool:
     """Build and register the operator (once per process) and check it against torch's own
     optimizer; False (with a warning) if it cannot be built or does not agree.  ``build=False``
     gives up without trying (another rank of this machine tried and failed)."""
-    with _lock:
-        if _state["tried"]:
-            return bool(_state["ok"])
-        _state["tried"] = True
-        if os.environ.get("NVMESWAP_ADAM", "") == "python":
-            _fail("disabled by NVMESWAP_ADAM=python", warn=False)
-            return False
-        if not build:
-            _fail("its build failed on local rank 0 of this machine")
-            return False
-        try:
-            _build()
-        except Exception as e:  # no compiler, build or load error: fall back to torch operations
-            _fail(f"build failed: {type(e).__name__}: {e}")
-            return False
-        # torch's AVX2/AVX-512 kernels fuse some multiply-adds, its portable ones do not: use the
-        # rounding this torch uses, or none if neither agrees bit for bit
-        for fma in (True, False):
-            if _agrees_with_torch(fma):
-                _state["ok"], _state["fma"] = True, fma
-                return True
-        _fail(
-            "it does not reproduce this torch's Adam/AdamW bit for bit (CPU capability "
-            f"{_simd_flags()[0]}, torch {torch.__version__})"
-        )
-        return False
+    return EXTENSION.load(build)
 
 
 def uses_fma() -> bool:
     """Whether the loaded kernel rounds as torch's AVX2/AVX-512 kernels (fused multiply-adds)
     rather than as its portable ones (meaningful once :func:`load` returned True)."""
-    return bool(_state["fma"])
+    return _fma[0]
 
 
 def build_error() -> str | None:
     """Why the C++ kernel is not in use (None when it is, or was not tried yet)."""
-    return _state["error"]
+    return EXTENSION.error
 
 
 def load_distributed() -> bool:
     """:func:`load`, built by local rank 0 while the other ranks of its machine wait (and give up
     without building when it failed)."""
-    from zerohooks.jit import local_rank0_first
-
-    return bool(local_rank0_first(load))
+    return EXTENSION.load_distributed()
 
 
 def _fake(*args: Any) -> None:
@@ -236,8 +212,6 @@ def adam_step_(
     """One Adam or AdamW step of a slice, in place, with the gradient ``grad * grad_scale`` (None:
     zero): the C++ operator, or the torch fallback."""
     if supported():
-        torch.ops.nvmeswap.adam_step_(
-            param, exp_avg, exp_avg_sq, grad, float(grad_scale), *h.args(), _state["fma"]
-        )
+        torch.ops.nvmeswap.adam_step_(param, exp_avg, exp_avg_sq, grad, float(grad_scale), *h.args(), _fma[0])
     else:
         reference_adam_step_(param, exp_avg, exp_avg_sq, grad, grad_scale, h)

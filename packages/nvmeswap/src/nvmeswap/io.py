@@ -22,14 +22,16 @@ import errno
 import hashlib
 import os
 import threading
-import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from zerohooks.native import NativeExtension
+
 __all__ = [
     "ALIGN",
+    "EXTENSION",
     "IOEngine",
     "PyEngine",
     "SwapIOError",
@@ -47,11 +49,6 @@ ALIGN = 4096
 """Alignment of O_DIRECT buffers, sizes and file offsets."""
 CSRC = Path(__file__).resolve().parent / "csrc"
 
-_lock = threading.Lock()
-_native: Any = None
-_error: str | None = None
-_tried = False
-
 
 class SwapIOError(RuntimeError):
     """A swap file could not be read or written (names the file and the offset)."""
@@ -67,65 +64,37 @@ class IOEngine(Protocol):
     def pending(self) -> int: ...
 
 
-def _warn_fallback(reason: str) -> None:
-    warnings.warn(
-        f"nvmeswap: the C++ I/O engine is not used ({reason.splitlines()[0][:300]}); "
-        "using the pure-Python engine instead (same files, slower)",
-        RuntimeWarning,
-        stacklevel=3,
-    )
+EXTENSION = NativeExtension(
+    owner="nvmeswap",
+    name="nvmeswap_io",
+    what="the C++ I/O engine",
+    sources=(CSRC / "nvmeswap_io.cpp",),
+    why="asynchronous swap-file reads and writes; NVMESWAP_IO=python skips it (slower)",
+    eta="about 30 s on 2 CPU cores",
+    fallback="the pure-Python engine (same files, slower)",
+    python_module=True,
+    disable_env=("NVMESWAP_IO", "python"),
+    verbose_env="NVMESWAP_VERBOSE_BUILD",
+)
+"""The C++ I/O engine (one of ``NvmeSwapPlugin.native``)."""
 
 
 def load_native(build: bool = True) -> Any:
     """Build (once per process) and return the C++ module, or None when it cannot be built;
     ``build=False`` gives up without trying (local rank 0 of this machine tried and failed)."""
-    global _native, _error, _tried
-    with _lock:
-        if _tried:
-            return _native
-        _tried = True
-        if os.environ.get("NVMESWAP_IO", "") == "python":
-            _error = "disabled by NVMESWAP_IO=python"
-            return None
-        if not build:
-            _error = "its build failed on local rank 0 of this machine"
-            _warn_fallback(_error)
-            return None
-        try:
-            from torch.utils.cpp_extension import load
-
-            from zerohooks.jit import announce_build, extension_cached
-
-            with announce_build(
-                "nvmeswap's C++ I/O engine (nvmeswap_io)",
-                why="asynchronous swap-file reads and writes; NVMESWAP_IO=python skips it (slower)",
-                eta="about 30 s on 2 CPU cores",
-                hint="python -m zerohooks.build nvmeswap",
-                cached=extension_cached("nvmeswap_io"),
-            ):
-                _native = load(
-                    name="nvmeswap_io",
-                    sources=[str(CSRC / "nvmeswap_io.cpp")],
-                    extra_cflags=["-O3"],
-                    verbose=os.environ.get("NVMESWAP_VERBOSE_BUILD", "") not in ("", "0"),
-                )
-        except Exception as e:  # no compiler, build or load error: fall back, never crash
-            _error = f"{type(e).__name__}: {e}"
-            _warn_fallback(f"could not build it: {_error}")
-            _native = None
-        return _native
+    EXTENSION.load(build)
+    return EXTENSION.module
 
 
 def load_native_distributed() -> Any:
     """:func:`load_native`, built by local rank 0 of each machine while the other ranks wait."""
-    from zerohooks.jit import local_rank0_first
-
-    return local_rank0_first(load_native)
+    EXTENSION.load_distributed()
+    return EXTENSION.module
 
 
 def build_error() -> str | None:
     """Why the C++ engine is not in use (None when it is, or was not tried yet)."""
-    return _error
+    return EXTENSION.error
 
 
 def aligned_empty(nbytes: int) -> torch.Tensor:
@@ -145,7 +114,7 @@ def checksum(buffer: torch.Tensor, algorithm: int) -> int:
         if mod is None:
             raise SwapIOError(
                 "this swap file was checksummed by the C++ engine, which is not available in this process "
-                f"({_error})"
+                f"({EXTENSION.error})"
             )
         return int(mod.checksum(buffer))
     if algorithm == 2:

@@ -62,6 +62,7 @@ class NvmeSwapPlugin(ZeroPlugin):
     name = "nvmeswap"
     distribution = "zerohooks-nvmeswap"
     Config = NvmeSwapConfig
+    native = (io.EXTENSION, adam.EXTENSION)
 
     def __init__(self, config: PluginConfig | None = None) -> None:
         super().__init__(config or NvmeSwapConfig())

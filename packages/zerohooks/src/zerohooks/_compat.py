@@ -6,6 +6,7 @@ import os
 import warnings
 from typing import Any
 
+import deepspeed
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
@@ -17,6 +18,7 @@ __all__ = [
     "announce_deepspeed_op_builds",
     "check_deepspeed_version",
     "native_bf16",
+    "original_initialize",
     "require_attr",
     "require_attrs",
     "skip_deepspeed_compiles",
@@ -27,6 +29,14 @@ SUPPORTED_DEEPSPEED = SpecifierSet(">=0.19.0,<0.20")
 """DeepSpeed releases whose internals the adapter was written against and tested on."""
 
 _OVERRIDE = "ZEROHOOKS_ALLOW_UNSUPPORTED_DEEPSPEED"
+
+_ORIGINAL_INITIALIZE: Any = deepspeed.initialize
+"""``deepspeed.initialize`` as DeepSpeed defined it, taken when zerohooks is first imported."""
+
+
+def original_initialize() -> Any:
+    """DeepSpeed's own ``initialize`` (never a zerohooks router, whatever was assigned later)."""
+    return _ORIGINAL_INITIALIZE
 
 
 def check_deepspeed_version(version: str) -> None:

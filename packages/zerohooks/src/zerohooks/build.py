@@ -1,6 +1,6 @@
 """Build the just-in-time C++/CUDA extensions ahead of time, so that training starts at once.
 
-    python -m zerohooks.build                   the installed plugins' kernels (loco, nvmeswap)
+    python -m zerohooks.build                   the installed plugins' kernels (e.g. loco, nvmeswap)
     python -m zerohooks.build --all             those, plus DeepSpeed's slow CPU ops
     python -m zerohooks.build loco deepspeed-shm
     python -m zerohooks.build --list            the targets, and whether each is built already
@@ -12,8 +12,10 @@ benchmarks call it before they launch their ranks).
 
 Targets:
 
-``loco``           loco's CPU kernels (and its CUDA kernels when a GPU is visible), about 1 min on 2 cores
-``nvmeswap``       nvmeswap's C++ I/O engine and fused Adam kernel, about 1 min on 2 cores
+``<plugin>``       every installed plugin (``zerohooks.plugins`` entry point) that declares native
+                   extensions in ``ZeroPlugin.native`` (:class:`zerohooks.native.NativeExtension`):
+                   loco's CPU kernels (and CUDA ones when a GPU is visible), about 1 min on 2 cores;
+                   nvmeswap's C++ I/O engine and fused Adam kernel, about 1 min on 2 cores
 ``deepspeed-shm``  DeepSpeed's shared-memory comm op that ``deepspeed.init_distributed`` builds on
                    CPU, about 4 min (training does not need it: ``zerohooks.skip_deepspeed_compiles()``)
 ``deepspeed-adam`` DeepSpeed's CPU Adam and FusedAdam, about 4-5 min each on 2 cores (avoid them
@@ -29,8 +31,12 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["TARGETS", "BuildResult", "Target", "build", "main"]
+if TYPE_CHECKING:
+    from zerohooks.plugin import ZeroPlugin
+
+__all__ = ["TARGETS", "BuildResult", "Target", "build", "main", "plugin_targets", "targets"]
 
 
 @dataclass(frozen=True)
@@ -63,40 +69,44 @@ class Target:
     """Part of the default selection (the plugins' kernels), else only with --all or by name."""
 
 
-def _loco_names() -> list[str]:
-    from loco import ops
+def _plugin_target(name: str, load: Callable[[], type[ZeroPlugin]]) -> Target | None:
+    """The target of an installed plugin that declares native extensions (``ZeroPlugin.native``),
+    None for one without; a plugin that fails to import is a target that fails, saying why."""
+    try:
+        exts = load().native
+    except Exception as e:
+        why = f"{type(e).__name__}: {e}"
+        return Target(name, f"plugin {name} (fails to import)", "zerohooks", lambda: [], lambda: why)
+    if not exts:
+        return None
 
-    names = [ops.build_name("cpu")]
-    if _cuda():
-        names.append(ops.build_name("cuda"))
-    return names
+    def names() -> list[str]:
+        return [e.name for e in exts if e.not_applicable() is None]
 
+    def run() -> str | None:
+        errors = [f"{e.what}: {e.error}" for e in exts if e.not_applicable() is None and not e.load()]
+        return "; ".join(errors) or None
 
-def _loco_run() -> str | None:
-    from loco import ops
-
-    errors = []
-    for device in ["cpu", *(["cuda"] if _cuda() else [])]:
-        if not ops.load(device):
-            errors.append(f"{device}: {ops.build_error(device)}")
-    return "; ".join(errors) or None
-
-
-def _nvmeswap_names() -> list[str]:
-    from nvmeswap import adam
-
-    return ["nvmeswap_io", adam._simd_flags()[0]]
+    return Target(
+        name, f"{name}'s {', '.join(e.what.removeprefix('the ') for e in exts)}", "zerohooks", names, run
+    )
 
 
-def _nvmeswap_run() -> str | None:
-    from nvmeswap import adam, io
+def plugin_targets() -> dict[str, Target]:
+    """A target per installed plugin (``zerohooks.plugins`` entry points) with native extensions."""
+    from zerohooks.config import load_plugin, plugin_entry_points
 
-    errors = []
-    if io.load_native() is None:
-        errors.append(f"I/O engine: {io.build_error()}")
-    if not adam.load():
-        errors.append(f"fused Adam: {adam.build_error()}")
-    return "; ".join(errors) or None
+    out: dict[str, Target] = {}
+    for name, ep in sorted(plugin_entry_points().items()):
+        target = _plugin_target(name, lambda ep=ep: load_plugin(ep))  # type: ignore[misc]
+        if target is not None:
+            out[name] = target
+    return out
+
+
+def targets() -> dict[str, Target]:
+    """Every target: the installed plugins' extensions, then DeepSpeed's ops (:data:`TARGETS`)."""
+    return {**plugin_targets(), **TARGETS}
 
 
 def _ds_builder(kind: str) -> object | None:
@@ -138,19 +148,9 @@ def _ds_run(*kinds: str) -> Callable[[], str | None]:
     return run
 
 
-def _cuda() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
-        Target("loco", "loco's CPU (and CUDA) kernels", "loco", _loco_names, _loco_run),
-        Target(
-            "nvmeswap", "nvmeswap's C++ I/O engine and fused Adam", "nvmeswap", _nvmeswap_names, _nvmeswap_run
-        ),
         Target(
             "deepspeed-shm",
             "DeepSpeed's shared-memory comm op (deepspeed.init_distributed on CPU)",
@@ -169,7 +169,7 @@ TARGETS: dict[str, Target] = {
         ),
     )
 }
-"""Every target, by name."""
+"""DeepSpeed's slow ops, by name (the plugins' targets come from :func:`plugin_targets`)."""
 
 
 def _say(text: str, quiet: bool) -> None:
@@ -187,18 +187,19 @@ def build(
     :attr:`BuildResult.ok`."""
     from zerohooks.jit import extension_build_dir, extension_root
 
+    known = {**plugin_targets(), **TARGETS}
     explicit = targets is not None
     if targets is None:
-        names = [n for n, t in TARGETS.items() if all or t.default]
+        names = [n for n, t in known.items() if all or t.default]
     else:
         names = list(targets)
-        unknown = [n for n in names if n not in TARGETS]
+        unknown = [n for n in names if n not in known]
         if unknown:
-            raise ValueError(f"unknown build target(s) {unknown}; known: {sorted(TARGETS)}")
+            raise ValueError(f"unknown build target(s) {unknown}; known: {sorted(known)}")
     _say(f"building {', '.join(names)} into {extension_root()}", quiet)
     results = []
     for i, name in enumerate(names, 1):
-        target = TARGETS[name]
+        target = known[name]
         if importlib.util.find_spec(target.module) is None:
             why = f"{target.module} is not installed"
             _say(f"[{i}/{len(names)}] {name}: skipped ({why})", quiet)
@@ -226,7 +227,7 @@ def _status() -> None:
     from zerohooks.jit import extension_build_dir, extension_cached, extension_root
 
     print(f"TORCH_EXTENSIONS_DIR: {extension_root()}")
-    for name, target in TARGETS.items():
+    for name, target in targets().items():
         extra = "" if target.default else "  (--all or by name)"
         if importlib.util.find_spec(target.module) is None:
             print(f"  {name:<15} {target.help}: {target.module} not installed{extra}")
@@ -248,8 +249,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    known = targets()
     ap.add_argument(
-        "targets", nargs="*", help=f"what to build: {', '.join(TARGETS)} (default: the plugins' kernels)"
+        "targets", nargs="*", help=f"what to build: {', '.join(known)} (default: the plugins' kernels)"
     )
     ap.add_argument("--all", action="store_true", help="every target, DeepSpeed's slow CPU ops included")
     ap.add_argument(
@@ -266,9 +268,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.all and args.targets:
         ap.error("--all or target names, not both")
-    unknown = [t for t in args.targets if t not in TARGETS]
+    unknown = [t for t in args.targets if t not in known]
     if unknown:
-        ap.error(f"unknown target(s) {', '.join(unknown)}; choose from {', '.join(TARGETS)}")
+        ap.error(f"unknown target(s) {', '.join(unknown)}; choose from {', '.join(known)}")
     start = time.monotonic()
     results = build(args.targets or None, all=args.all)
     failed = [r for r in results if not r.ok]

@@ -6,10 +6,12 @@ import base64
 import copy
 import difflib
 import importlib
+import json
 import os
 import re
 from collections.abc import Mapping
 from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
 from typing import Any
 
 import pydantic
@@ -24,27 +26,31 @@ __all__ = [
     "available_plugins",
     "check_misspelt_sections",
     "load_config",
+    "load_plugin",
+    "plugin_entry_points",
     "split_plugin_sections",
 ]
 
 ENTRY_POINT_GROUP = "zerohooks.plugins"
 """Entry-point group under which plugin distributions register their ``ZeroPlugin`` class."""
 
-KNOWN_PLUGINS: dict[str, str] = {
-    "accumdtype": "zerohooks-accumdtype",
-    "autocastzero": "zerohooks-autocastzero",
-    "mixedlayers": "zerohooks-mixedlayers",
-    "loco": "zerohooks-loco",
-    "nvmeswap": "zerohooks-nvmeswap",
-}
-"""Section name -> distribution providing it, for the project's own plugins."""
+KNOWN_PLUGINS: dict[str, str] = json.loads(
+    (Path(__file__).resolve().parent / "catalogue.json").read_text(encoding="utf-8")
+)
+"""Section name -> distribution providing it, for the plugins this project publishes, read from
+the data file ``catalogue.json`` (no plugin is imported or named in code): a config section
+naming one of them while it is not installed is a :class:`PluginNotInstalledError` saying what
+to install, instead of a section DeepSpeed would silently ignore.  Installed plugins are found
+through their entry points whether they are listed there or not."""
 
 
-def _entry_points() -> dict[str, EntryPoint]:
+def plugin_entry_points() -> dict[str, EntryPoint]:
+    """The installed plugins' entry points (``zerohooks.plugins``), by name; nothing is imported."""
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
-def _load(ep: EntryPoint) -> type[ZeroPlugin]:
+def load_plugin(ep: EntryPoint) -> type[ZeroPlugin]:
+    """Import the plugin class of one entry point, checked (:class:`ConfigError` when it fails)."""
     dist = ep.dist.name if ep.dist is not None else KNOWN_PLUGINS.get(ep.name, "?")
     try:
         cls = ep.load()
@@ -69,7 +75,7 @@ def available_plugins() -> dict[str, type[ZeroPlugin]]:
     ``zerohooks.initialize`` does not call this: it loads only the plugins the config names, so a
     broken plugin that is installed but not used cannot stop training.
     """
-    return {name: _load(ep) for name, ep in _entry_points().items()}
+    return {name: load_plugin(ep) for name, ep in plugin_entry_points().items()}
 
 
 def _parse(text: str, where: str, duplicates: bool) -> dict[str, Any]:
@@ -252,7 +258,7 @@ def split_plugin_sections(
     one, and not a DeepSpeed key, is a :class:`ConfigError` with the close match, as is a plugin's
     name nested one level down (``"plugins": {"loco": {...}}``).
     """
-    eps = _entry_points() if plugins is None else {}
+    eps = plugin_entry_points() if plugins is None else {}
     names = set(plugins) if plugins is not None else set(eps)
     check_misspelt_sections(ds_config, names)
     built: list[ZeroPlugin] = []
@@ -269,7 +275,7 @@ def split_plugin_sections(
                 f"pip install {KNOWN_PLUGINS[key]} once it is published on PyPI). Or remove the section, "
                 f'or set "{key}": false'
             )
-        cls = plugins[key] if plugins is not None else _load(eps[key])
+        cls = plugins[key] if plugins is not None else load_plugin(eps[key])
         if section is True:
             section = {}
         if not isinstance(section, dict):

@@ -18,26 +18,20 @@ from typing import Any
 
 import deepspeed
 
+from zerohooks._compat import original_initialize
+from zerohooks.initialize import initialize
 from zerohooks.registry import RemovableHandle
 
 __all__ = ["enable", "enabled", "original_initialize"]
 
-_ORIGINAL: Any = deepspeed.initialize
-"""``deepspeed.initialize`` as DeepSpeed defined it, taken when zerohooks is first imported."""
+_ORIGINAL: Any = original_initialize()
 
 _lock = threading.Lock()
 _handles: list[RemovableHandle] = []
 _router: Any = None
 
 
-def original_initialize() -> Any:
-    """DeepSpeed's own ``initialize`` (never a zerohooks router, whatever was assigned later)."""
-    return _ORIGINAL
-
-
 def _make_router() -> Any:
-    from zerohooks.initialize import initialize
-
     @functools.wraps(_ORIGINAL)
     def initialize_with_plugins(*args: Any, **kwargs: Any) -> Any:
         return initialize(*args, **kwargs)
@@ -52,8 +46,6 @@ def enabled() -> bool:
 
 
 def _is_ours(fn: Any) -> bool:
-    from zerohooks.initialize import initialize
-
     return fn is initialize
 
 

@@ -48,7 +48,8 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class SetupContext:
-    """What a plugin knows while the engine is being built."""
+    """What a plugin knows while the engine is being built: DeepSpeed's part of the config, read
+    once (:func:`zerohooks.dsconfig.setup_context`), and the process group."""
 
     config: dict[str, Any]
     """The DeepSpeed config as DeepSpeed will see it (plugin sections removed). Do not mutate."""
@@ -62,6 +63,16 @@ class SetupContext:
     """Size of the default process group (1 when torch.distributed is not initialised)."""
     rank: int
     """Rank in the default process group."""
+    offload_param: str | None = None
+    """``"cpu"``, ``"nvme"`` or None, from ``zero_optimization.offload_param.device``."""
+    grad_accum_dtype: Any = None
+    """``data_types.grad_accum_dtype`` as written (DeepSpeed accepts ``"fp32"``, ``"bf16"``, ...), or None."""
+    communication_data_type: Any = None
+    """``communication_data_type`` as written, or None (DeepSpeed reduces in the model dtype)."""
+    buffer_dtype: Any = None
+    """``data_types.buffer_dtype`` as written, or None."""
+    deepspeed_autocast: tuple[str, ...] = ()
+    """DeepSpeed's own mixed-precision sections that are enabled: ``"torch_autocast"``, ``"amp"``."""
 
 
 class StepContext:

@@ -11,9 +11,10 @@ from typing import Any
 import torch
 
 from zerohooks import watchdog
+from zerohooks._compat import original_initialize
 from zerohooks.adapter import attach, attachment_of, detach
 from zerohooks.config import load_config, split_plugin_sections
-from zerohooks.enable import original_initialize
+from zerohooks.dsconfig import engine_context, setup_context
 from zerohooks.errors import ConfigError
 from zerohooks.hookspec import SetupContext
 from zerohooks.plugin import ZeroPlugin
@@ -22,89 +23,14 @@ from zerohooks.registry import HookRegistry
 __all__ = ["initialize", "setup_context"]
 
 
-def _enabled(section: Any) -> bool:
-    return isinstance(section, dict) and bool(section.get("enabled", False))
-
-
-def _stage(zero: Any) -> int:
-    if isinstance(zero, bool):  # DeepSpeed's legacy form: "zero_optimization": true is stage 1
-        return 1 if zero else 0
-    if not isinstance(zero, dict):
-        raise ConfigError("zero_optimization must be a JSON object")
-    try:
-        stage = int(zero.get("stage", 0))
-    except (TypeError, ValueError):
-        raise ConfigError(
-            f"zero_optimization.stage must be 0, 1, 2 or 3, not {zero.get('stage')!r}"
-        ) from None
-    if stage not in (0, 1, 2, 3):
-        raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, not {stage}")
-    return stage
-
-
-def _world_rank() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size(), torch.distributed.get_rank()
-    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-
-
-def setup_context(ds_config: dict[str, Any]) -> SetupContext:
-    """What the plugins are told about the run, read from DeepSpeed's part of the config."""
-    zero = ds_config.get("zero_optimization") or {}
-    stage = _stage(zero)
-    bf16 = _enabled(ds_config.get("bf16")) or _enabled(ds_config.get("bfloat16"))
-    fp16 = _enabled(ds_config.get("fp16"))
-    if bf16 and fp16:
-        raise ConfigError("both bf16 and fp16 are enabled in the DeepSpeed config; enable one of them")
-    dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
-    offload = (zero.get("offload_optimizer") or {}) if isinstance(zero, dict) else {}
-    device = offload.get("device") if isinstance(offload, dict) else None
-    world, rank = _world_rank()
-    return SetupContext(
-        config=ds_config,
-        zero_stage=stage,
-        train_dtype=dtype,
-        offload_optimizer=None if device in (None, "none") else str(device),
-        world_size=world,
-        rank=rank,
-    )
-
-
-def _engine_context(engine: Any, ds_config: dict[str, Any]) -> SetupContext:
-    """The :class:`SetupContext` of an engine DeepSpeed built from a config that
-    :func:`setup_context` does not read (only without plugins: DeepSpeed judges its own config).
-    Read from the engine's own accessors, where it has them."""
-
-    def ask(name: str, default: Any) -> Any:
-        fn = getattr(engine, name, None)
-        return fn() if callable(fn) else default
-
-    dtype = (
-        torch.bfloat16
-        if ask("bfloat16_enabled", False)
-        else torch.float16
-        if ask("fp16_enabled", False)
-        else torch.float32
-    )
-    device = getattr(ask("zero_offload_optimizer", None), "device", None)
-    device = getattr(device, "value", device)  # DeepSpeed's OffloadDeviceEnum
-    world, rank = _world_rank()
-    return SetupContext(
-        config=ds_config,
-        zero_stage=int(ask("zero_optimization_stage", 0)),
-        train_dtype=dtype,
-        offload_optimizer=None if device in (None, "none") else str(device),
-        world_size=world,
-        rank=rank,
-    )
-
-
 def _names_plugin(ds_config: dict[str, Any]) -> bool:
     """Whether the config has a section named exactly after a plugin (installed or not)."""
-    from zerohooks.config import KNOWN_PLUGINS, _entry_points
+    from zerohooks.config import KNOWN_PLUGINS, plugin_entry_points
 
     keys = set(ds_config)
-    return bool(keys & KNOWN_PLUGINS.keys()) or bool(keys & _entry_points().keys())  # entry points read once
+    return bool(keys & KNOWN_PLUGINS.keys()) or bool(
+        keys & plugin_entry_points().keys()
+    )  # entry points read once
 
 
 def _init_distributed(params: dict[str, Any], ds_initialize: Any) -> None:
@@ -243,7 +169,7 @@ def initialize(*args: Any, plugins: Sequence[ZeroPlugin] = (), **kwargs: Any) ->
         result = ds_initialize(*bound.args, **bound.kwargs)
     engine = result[0]
     if ctx is None:
-        ctx = _engine_context(engine, ds_config)
+        ctx = engine_context(engine, ds_config)
     failure = None
     try:
         attach(engine, registry, ctx, enabled)
@@ -268,3 +194,6 @@ def initialize(*args: Any, plugins: Sequence[ZeroPlugin] = (), **kwargs: Any) ->
                     p.close()
         raise
     return result
+
+
+_engine_context = engine_context  # the name earlier tests use

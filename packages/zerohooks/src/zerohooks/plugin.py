@@ -13,6 +13,7 @@ from zerohooks.strict import STRICT, exact_literal_types
 
 if TYPE_CHECKING:
     from zerohooks.hookspec import SetupContext
+    from zerohooks.native import NativeExtension
     from zerohooks.registry import HookRegistry
 
 __all__ = ["PluginConfig", "PluginInUseError", "ZeroPlugin"]
@@ -77,6 +78,9 @@ class ZeroPlugin:
     """The pip distribution that provides the plugin, named in error messages."""
     Config: ClassVar[type[PluginConfig]] = PluginConfig
     """Pydantic model of the config section."""
+    native: ClassVar[tuple[NativeExtension, ...]] = ()
+    """The plugin's just-in-time C++/CUDA extensions (:class:`zerohooks.native.NativeExtension`),
+    which ``python -m zerohooks.build <name>`` builds ahead of time."""
 
     def __init__(self, config: PluginConfig) -> None:
         self.config = config
@@ -106,6 +110,18 @@ class ZeroPlugin:
     def peers(self, value: tuple[str, ...]) -> None:
         self.check_unbound()
         self.__dict__["_zerohooks_peers"] = tuple(value)
+
+    @property
+    def deepspeed(self) -> SetupContext:
+        """DeepSpeed's part of the config as it stands, read (stage, dtypes, offload,
+        accumulation): valid inside :meth:`edit_deepspeed_config`, which may use it instead of
+        reading DeepSpeed's keys itself.  After other plugins' edits, before this one's."""
+        ds_config = self.__dict__.get("_zerohooks_editing")
+        if ds_config is None:
+            raise RuntimeError("ZeroPlugin.deepspeed is only available inside edit_deepspeed_config")
+        from zerohooks.dsconfig import setup_context
+
+        return setup_context(ds_config)
 
     def _bound_registry(self) -> HookRegistry | None:
         """The registry of the engine this plugin serves now, or None.
@@ -163,12 +179,17 @@ class ZeroPlugin:
 
 
 def _checked(fn: F) -> F:
-    """``edit_deepspeed_config`` refused on a plugin bound to another engine."""
+    """``edit_deepspeed_config`` refused on a plugin bound to another engine; :attr:`ZeroPlugin.deepspeed`
+    reads the config it edits while it runs."""
 
     @functools.wraps(fn)
     def edit_deepspeed_config(self: ZeroPlugin, ds_config: dict[str, Any]) -> None:
         self.check_unbound()
-        fn(self, ds_config)
+        self.__dict__["_zerohooks_editing"] = ds_config
+        try:
+            fn(self, ds_config)
+        finally:
+            self.__dict__.pop("_zerohooks_editing", None)
 
     edit_deepspeed_config._zerohooks_binding = True  # type: ignore[attr-defined]
     return edit_deepspeed_config  # type: ignore[return-value]
