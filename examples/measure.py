@@ -108,3 +108,39 @@ def gradient_error(engine: Any, batches: list[tuple[Any, Any]], world: int) -> f
         return float((num / den).sqrt()) if den > 0 else None
     except Exception:  # a stage or offload where DeepSpeed does not give the full gradient
         return None
+
+
+def step_comm_bytes(engine: Any, wire: bool = False) -> dict[str, dict[str, int]] | None:
+    """Bytes per collective and dtype in the last step from zerohooks' counters, if any: handed
+    to the collective (before any owner), or sent on the wire (``wire=True``)."""
+    try:
+        import zerohooks
+    except ImportError:
+        return None
+    try:
+        att = zerohooks.attachment(engine)
+        counters = getattr(att, "counters", None) if att is not None else None
+        if counters is None:
+            return None
+        last = counters.last_step(wire=True) if wire else counters.last_step()
+    except Exception:  # counters are optional decoration; never fail training for them
+        return None
+    if last is None:
+        return None
+    return {str(c): {str(d): int(n) for d, n in v.items()} for c, v in dict(last).items()}
+
+
+def sum_over_ranks(per_rank: list[list[Any]], steps: int) -> list[dict[str, dict[str, int]]] | None:
+    """Per step, ``{collective: {dtype: bytes}}`` summed over the ranks (None if a rank had none)."""
+    if not all(r[i] is not None for r in per_rank for i in range(steps)):
+        return None
+    summed = []
+    for i in range(steps):
+        step_sum: dict[str, dict[str, int]] = {}
+        for r in per_rank:
+            for coll, by_dtype in r[i].items():
+                for dt_name, n in by_dtype.items():
+                    d = step_sum.setdefault(coll, {})
+                    d[dt_name] = d.get(dt_name, 0) + n
+        summed.append(step_sum)
+    return summed

@@ -180,13 +180,15 @@ def plugin_section(results: list[Result], meta: dict[str, Any]) -> list[str]:
             "step, summed over ranks.",
         ]
     registered = meta.get("registered_runs") or {}
-    ran = {r["name"] for r in results}
-    more = {n: h for n, h in registered.items() if n not in ran}
+    asked = {r["name"] for r in results} | set(meta.get("runs_requested") or ())
+    more = {n: h for n, h in registered.items() if n not in asked}
     if more:
         lines += [
             "",
             f"`--runs all` adds {len(more)} more registered runs (trained, or skipped with the reason "
-            "where they cannot run): " + "; ".join(f"`{n}` ({h})" for n, h in more.items()) + ".",
+            "where they cannot run here):",
+            "",
+            *(f"- `{n}`: {h}" for n, h in more.items()),
         ]
     return lines
 

@@ -26,11 +26,8 @@ import logging
 import os
 import platform
 import resource
-import shlex
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -41,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import measure
 import nodes as emulated  # sibling modules of this script
 import runs as run_registry
+from launch import command_line, launch, registered_runs, where
 
 WARMUP_STEPS = 3
 T_IMPORT = time.time()
@@ -172,130 +170,6 @@ def list_runs(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------- launcher
 
 
-def prebuild(args: argparse.Namespace) -> None:
-    """Build the C++ kernels of the plugins these runs use once, here, before the ranks start
-    (`python -m zerohooks.build`): the ranks then load them, and the build says what it does."""
-    try:
-        from zerohooks.build import TARGETS, build
-    except ImportError:
-        return
-    used = {p for spec in args.run_list for p in run_registry.resolve(spec, args.plugin_list).plugins}
-    targets = [t for t in TARGETS if t in used]
-    if targets:
-        build(targets)
-
-
-def where(args: argparse.Namespace, world_size: int, cuda: bool) -> run_registry.Where:
-    return run_registry.Where(world_size=world_size, nodes=args.nodes, stage=args.stage, cuda=cuda)
-
-
-def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    """Start this script under torch.distributed.run, once per run (or once for all runs with
-    ``--same-process``), and return the exit status (the first failed launch's, else 0).  A run
-    that cannot run here is reported as skipped with the reason, without starting anything; a
-    launch that fails is reported as failed, with the rank's error, and the next run goes on."""
-    import torch
-
-    if args.nodes > 1:
-        reason = emulated.unavailable(args)  # before the kernel build: say at once
-        if reason is not None:
-            print(reason, file=sys.stderr)
-            return 2
-    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() and args.nodes == 1 else 0
-    nproc = args.nproc or n_gpu or 2
-    if n_gpu and nproc > n_gpu:
-        print(f"error: --nproc {nproc} but only {n_gpu} GPUs (one rank per GPU)", file=sys.stderr)
-        return 2
-    if not n_gpu and args.dtype == "fp16":
-        print(
-            "error: --dtype fp16 needs GPUs: DeepSpeed's CPU accelerator refuses fp16 here. "
-            "Use --dtype bf16 or fp32 (or auto, the default).",
-            file=sys.stderr,
-        )
-        return 2
-    env = dict(os.environ)
-    if n_gpu:
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    else:
-        env.setdefault("DS_ACCELERATOR", "cpu")
-        env.setdefault("LOCAL_SIZE", str(nproc))  # DeepSpeed's CPU accelerator reads it
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    if args.nodes > 1:
-        emulated.rank_env(args, env)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(Path(__file__).resolve()),
-    ]  # our options go through the environment: torchrun's parser would take e.g. --nproc as its own
-    here = where(args, nproc, bool(n_gpu))
-    skips = {spec: run_registry.resolve(spec, args.plugin_list).skip_reason(here) for spec in args.run_list}
-    prebuild(argparse.Namespace(**{**vars(args), "run_list": [s for s in args.run_list if not skips[s]]}))
-    where_text = f"{nproc} GPU rank(s), NCCL" if n_gpu else f"{nproc} CPU rank(s), gloo"
-    where_text = emulated.describe(args) if args.nodes > 1 else where_text
-    batches = [list(args.run_list)] if args.same_process else [[s] for s in args.run_list]
-    print(
-        f"train_gpt: {len(args.run_list)} run(s) on {where_text}, "
-        + ("all in one launch" if args.same_process else "one launch per run")
-        + f": {', '.join(args.run_list)}",
-        flush=True,
-    )
-    env["TRAIN_GPT_ARGV"] = json.dumps(argv)
-    env["TRAIN_GPT_T0"] = str(T_IMPORT)
-    env["TRAIN_GPT_COMMAND"] = command_line()
-    env["TRAIN_GPT_LAUNCH"] = f"{os.getpid()}-{int(T_IMPORT)}"
-    first_rc = 0
-    with tempfile.TemporaryDirectory(prefix="train_gpt_") as tmp:
-        state = Path(tmp, "results.json")  # the runs so far, handed from launch to launch
-        state.write_text("[]")
-        env["TRAIN_GPT_STATE"] = str(state)
-        for batch in batches:
-            todo = [s for s in batch if not (skips[s] and not args.same_process)]
-            for spec in batch:
-                if spec not in todo:  # said here, without starting ranks for it
-                    name = run_registry.resolve(spec, args.plugin_list).name
-                    print(f"[{name}] skipped: {skips[spec]}", flush=True)
-                    _append_state(state, {"name": name, "status": "skipped", "reason": skips[spec]})
-            if not todo:
-                continue
-            errors = Path(tmp, "errors")
-            shutil.rmtree(errors, ignore_errors=True)
-            errors.mkdir()
-            env["TRAIN_GPT_ERROR_DIR"] = str(errors)
-            env["TRAIN_GPT_RUNS"] = json.dumps(todo)
-            print(f"train_gpt: launching {where_text} for {', '.join(todo)}", flush=True)
-            try:
-                if args.nodes > 1:
-                    rc = emulated.run(args, cmd[-1], env)
-                else:
-                    rc = subprocess.run(cmd, env=env).returncode
-            except KeyboardInterrupt:
-                print("train_gpt: interrupted", file=sys.stderr)
-                return 130
-            if rc != 0:
-                why = [p.read_text().strip() for p in sorted(errors.glob("rank*.txt"))]
-                print(
-                    f"train_gpt: {', '.join(todo)} failed (exit status {rc})"
-                    + ("".join(f"\n  {w}" for w in why) if why else "; see the errors above"),
-                    file=sys.stderr,
-                )
-                done = {r["name"] for r in json.loads(state.read_text())}
-                for spec in todo:
-                    name = run_registry.resolve(spec, args.plugin_list).name
-                    if name not in done:
-                        reason = f"exit status {rc}" + (f": {why[0]}" if why else "")
-                        _append_state(state, {"name": name, "status": "failed", "reason": reason})
-                first_rc = first_rc or rc
-        finish_report(args.out, first_rc, json.loads(state.read_text()), args)
-    return first_rc
-
-
-def _append_state(state: Path, result: dict[str, Any]) -> None:
-    state.write_text(json.dumps([*json.loads(state.read_text()), result]))
-
-
 # ---------------------------------------------------------------------------- worker
 
 
@@ -393,87 +267,6 @@ def peak_memory(cuda: bool) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
-def command_line() -> str:
-    """The command line this process was started with, as typed (interpreter included)."""
-    argv = getattr(sys, "orig_argv", None) or ["python", *sys.argv]
-    return shlex.join(argv)
-
-
-def registered_runs() -> dict[str, str]:
-    """Every registered run and what it shows (the report says which ones --runs all adds)."""
-    return {name: run.help for name, run in run_registry.RUNS.items()}
-
-
-def finish_report(out: str, rc: int, results: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    """In the launcher, once the ranks are gone: the report of every run of the command (trained,
-    skipped or failed) with the wall time of the whole command (start-up and shut-down included)
-    in report.md and results.json, and print it."""
-    path = Path(out) / "results.json"
-    wall = round(time.time() - T_IMPORT, 1)
-    meta: dict[str, Any] = {}
-    try:
-        data = json.loads(path.read_text())
-        if data.get("meta", {}).get("launch_t0") == T_IMPORT:
-            meta = data["meta"]  # written by this command's ranks
-    except (OSError, ValueError, KeyError):
-        pass
-    if not results:
-        return
-    if not meta:  # no rank wrote a report: every run was skipped, or failed before reporting
-        meta = {"command": command_line(), "launch_t0": T_IMPORT, "steps": args.steps}
-        meta["args"] = {k: v for k, v in vars(args).items() if k not in ("run_list", "plugin_list")}
-    meta["registered_runs"] = registered_runs()
-    meta["wall_time_s"] = wall
-    meta["wall_time_final"] = rc == 0
-    try:
-        from report import write_report
-
-        folder = write_report(out, results, meta)
-    except (OSError, ValueError, KeyError, ImportError) as e:
-        print(f"train_gpt: could not write the report: {type(e).__name__}: {e}", file=sys.stderr)
-        return
-    report = (folder / "report.md").read_text().splitlines()
-    print("\n".join(ln for ln in report if ln[:1] == "|" or ln[:3] == "## "), flush=True)
-    if rc == 0:
-        print(f"train_gpt: done in {wall:.0f} s; report: {Path(out).resolve()}", flush=True)
-
-
-def step_comm_bytes(engine: Any, wire: bool = False) -> dict[str, dict[str, int]] | None:
-    """Bytes per collective and dtype in the last step from zerohooks' counters, if any: handed
-    to the collective (before any owner), or sent on the wire (``wire=True``)."""
-    try:
-        import zerohooks
-    except ImportError:
-        return None
-    try:
-        att = zerohooks.attachment(engine)
-        counters = getattr(att, "counters", None) if att is not None else None
-        if counters is None:
-            return None
-        last = counters.last_step(wire=True) if wire else counters.last_step()
-    except Exception:  # counters are optional decoration; never fail training for them
-        return None
-    if last is None:
-        return None
-    return {str(c): {str(d): int(n) for d, n in v.items()} for c, v in dict(last).items()}
-
-
-def sum_over_ranks(per_rank: list[list[Any]], steps: int) -> list[dict[str, dict[str, int]]] | None:
-    """Per step, ``{collective: {dtype: bytes}}`` summed over the ranks (None if a rank had none)."""
-    if not all(r[i] is not None for r in per_rank for i in range(steps)):
-        return None
-    summed = []
-    for i in range(steps):
-        step_sum: dict[str, dict[str, int]] = {}
-        for r in per_rank:
-            for coll, by_dtype in r[i].items():
-                for dt_name, n in by_dtype.items():
-                    d = step_sum.setdefault(coll, {})
-                    d[dt_name] = d.get(dt_name, 0) + n
-        summed.append(step_sum)
-    return summed
-
-
 def train_one(
     run: run_registry.Run, args: argparse.Namespace, ctx: dict[str, Any], corpus: Any
 ) -> dict[str, Any]:
@@ -563,8 +356,8 @@ def train_one(
         dt = time.perf_counter() - t0
         losses.append(loss_value)
         times.append(dt)
-        comm.append(step_comm_bytes(engine))
-        wire.append(step_comm_bytes(engine, wire=True))
+        comm.append(measure.step_comm_bytes(engine))
+        wire.append(measure.step_comm_bytes(engine, wire=True))
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
         if step % args.eval_every == 0 or step == args.steps:
@@ -617,8 +410,8 @@ def train_one(
         # per step, summed over ranks: bytes handed to the gradient collectives (what DeepSpeed
         # hands over, in the communication dtype) and bytes sent to other ranks (what an owner
         # of the collective such as loco really sends)
-        "comm_bytes": sum_over_ranks([g["comm"] for g in gathered], args.steps),
-        "wire_bytes": sum_over_ranks([g["wire"] for g in gathered], args.steps),
+        "comm_bytes": measure.sum_over_ranks([g["comm"] for g in gathered], args.steps),
+        "wire_bytes": measure.sum_over_ranks([g["wire"] for g in gathered], args.steps),
         # emulated nodes: bytes that crossed the link during the steps (and their evaluations)
         "link_bytes": None if crossed is None else sum(g["link"] for g in gathered),
         "wall_time_s": round(time.time() - t_run, 1),
@@ -790,7 +583,7 @@ def worker(args: argparse.Namespace) -> int:
         specs = json.loads(os.environ.get("TRAIN_GPT_RUNS") or "null") or args.run_list
         ctx["own_process"] = len(specs) == 1
         meta["registered_runs"] = registered_runs()
-        meta["runs_requested"] = list(args.run_list)
+        meta["runs_requested"] = [run_registry.resolve(s, args.plugin_list).name for s in args.run_list]
         meta["one_process_per_run"] = not args.same_process and state is not None
         here = where(args, world, cuda)
         for spec in specs:
@@ -809,6 +602,7 @@ def worker(args: argparse.Namespace) -> int:
                 folder = write_report(args.out, results, meta)
                 if state:
                     Path(state).write_text(json.dumps(results))
+                    print(f"[{run.name}] done; report so far: {folder / 'report.md'}", flush=True)
         if rank == 0 and not state:  # under our launcher, the launcher says it at the end
             report = (folder / "report.md").read_text().splitlines()
             table = [ln for ln in report if ln[:1] == "|" or ln[:3] == "## "]
@@ -836,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
         list_runs(args)
         return 0
     if "RANK" not in os.environ:
-        return launch(args, argv)
+        return launch(args, argv, Path(__file__).resolve(), T_IMPORT)
     try:
         return worker(args)
     except KeyboardInterrupt:
