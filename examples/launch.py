@@ -38,13 +38,17 @@ def where(args: argparse.Namespace, world_size: int, cuda: bool) -> run_registry
     return run_registry.Where(world_size=world_size, nodes=args.nodes, stage=args.stage, cuda=cuda)
 
 
-def launch(args: argparse.Namespace, argv: list[str], script: Path, t0: float) -> int:
+def launch(
+    args: argparse.Namespace, argv: list[str], script: Path | None = None, t0: float | None = None
+) -> int:
     """Start this script under torch.distributed.run, once per run (or once for all runs with
     ``--same-process``), and return the exit status (the first failed launch's, else 0).  A run
     that cannot run here is reported as skipped with the reason, without starting anything; a
     launch that fails is reported as failed, with the rank's error, and the next run goes on."""
     import torch
 
+    script = script or Path(__file__).resolve().parent / "train_gpt.py"
+    t0 = time.time() if t0 is None else t0
     if args.nodes > 1:
         reason = emulated.unavailable(args)  # before the kernel build: say at once
         if reason is not None:
