@@ -157,6 +157,18 @@ class Attachment:
             )
 
     # -- engine-level patches (every stage) -------------------------------------------------------
+    def _make_destroy(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """``engine.destroy()`` detaches first: the plugins release what they hold (swap files
+        and their folder's lock, buffers, I/O threads) and every patch goes, including the
+        registration that would keep the engine alive, then DeepSpeed's own ``destroy`` runs."""
+
+        def destroy(*args: Any, **kwargs: Any) -> Any:
+            if self.attached or self._patches:
+                self.detach()
+            return original(*args, **kwargs)
+
+        return destroy
+
     def install_engine_patches(self) -> None:
         reg = self.registry
         ctx = self.step_ctx
@@ -214,6 +226,8 @@ class Attachment:
         self.patch(engine, "_backward_epilogue", make_end, "DeepSpeedEngine")
         self.patch(engine, "step", make_engine_step, "DeepSpeedEngine")
         require_attr(engine, "skipped_steps", "DeepSpeedEngine")
+        if callable(getattr(engine, "destroy", None)):
+            self.patch(engine, "destroy", self._make_destroy, "DeepSpeedEngine")
 
         from zerohooks.adapter.checkpoint import install_checkpoint_patches
 
