@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["SYNC_OPS", "CostCounter", "PhaseCost", "step_cost"]
+__all__ = ["NO_LAUNCH", "SYNC_OPS", "CostCounter", "PhaseCost", "step_cost"]
 
 _aten = torch.ops.aten
 SYNC_OPS: frozenset[Any] = frozenset(
@@ -53,6 +53,22 @@ SYNC_OPS: frozenset[Any] = frozenset(
 )
 """The aten ops that make the host wait for the device."""
 
+NO_LAUNCH: frozenset[str] = frozenset(
+    {
+        "empty",
+        "empty_strided",
+        "_unsafe_view",
+        "lift_fresh",
+        "_record_function_enter",
+        "_record_function_enter_new",
+        "_record_function_exit",
+        "set_",
+        "resize_",
+    }
+)
+"""Ops (by name) that launch no kernel on a GPU besides the views (``OpOverload.is_view``):
+allocations from the caching allocator, metadata changes, profiler records."""
+
 _OPTIM_DIR = os.path.join("torch", "optim") + os.sep
 
 
@@ -62,6 +78,9 @@ class PhaseCost:
 
     ops: int = 0
     """aten ops dispatched (about one kernel launch each on a GPU)."""
+    launches: int = 0
+    """the ops among them that launch a kernel on a GPU: not views (``view``, ``transpose``,
+    ``slice``, ``detach`` ...) and not :data:`NO_LAUNCH` (``empty`` ...)."""
     syncs: int = 0
     """host synchronisations among them (:data:`SYNC_OPS`, optimizer step counters left out)."""
     sync_ops: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -70,7 +89,12 @@ class PhaseCost:
     """every op by name (to see where a difference comes from)."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {"ops": self.ops, "syncs": self.syncs, "sync_ops": dict(self.sync_ops)}
+        return {
+            "ops": self.ops,
+            "launches": self.launches,
+            "syncs": self.syncs,
+            "sync_ops": dict(self.sync_ops),
+        }
 
 
 def _optimizer_counter_read() -> tuple[bool, str]:
@@ -114,13 +138,16 @@ class CostCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
     ) -> Any:
         if self._phase is not None:
             cost = self.counts[self._phase]
+            name = str(func.overloadpacket.__name__)
             cost.ops += 1
-            cost.by_op[str(func.overloadpacket.__name__)] += 1
+            cost.by_op[name] += 1
+            if not func.is_view and name not in NO_LAUNCH:
+                cost.launches += 1
             if func in SYNC_OPS:
                 optimizer, caller = _optimizer_counter_read()
                 if not optimizer:
                     cost.syncs += 1
-                    cost.sync_ops[f"{func.overloadpacket.__name__} <- {caller}"] += 1
+                    cost.sync_ops[f"{name} <- {caller}"] += 1
         return func(*args, **(kwargs or {}))
 
 
