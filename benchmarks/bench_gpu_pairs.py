@@ -261,6 +261,14 @@ def markdown(data: dict[str, Any]) -> str:
             f"| {f(row, 'plugin_peak_bytes', 2**30, '{:.2f}')} | {f(row, 'equivalent_peak_bytes', 2**30, '{:.2f}')} "
             f"| {row['rounds'][0]}/{row['rounds'][1]} |"
         )
+    if any(r["plugin"] == "loco" for r in data["summary"]["pairs"]):
+        data.setdefault("notes", [])
+        note = (
+            "world size 1: loco has nothing to send and takes its exact path (no quantization); "
+            "its kernels are timed in the loco-kernels section"
+        )
+        if note not in data["notes"]:
+            data["notes"].append(note)
     for note in data.get("notes", []):
         lines += ["", f"- {note}"]
     failed = [r for r in data["results"] if r.get("status") != "ok"]
@@ -285,7 +293,7 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
     jobs = _jobs(args)
     skip: dict[str, str] = {}
     if args.nvme:
-        reason = _libaio_reason()
+        reason = args.skip_ds_nvme or _libaio_reason()
         if reason:
             skip["ds-nvme"] = reason
             data["notes"].append(reason)
@@ -363,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--nvme", action="store_true", help="nvmeswap vs DeepSpeed's NVMe offload (ZeRO 3)")
+    p.add_argument("--skip-ds-nvme", default=None, help="with --nvme: skip DeepSpeed's run, for this reason")
     p.add_argument("--tiny", action="store_true", help="a tiny model (smoke check)")
     p.add_argument("--cpu", action="store_true", help="run on CPU even where a GPU is visible")
     p.add_argument("--deadline-s", type=float, default=600.0, help="stop starting runs after this")

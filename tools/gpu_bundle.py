@@ -161,6 +161,32 @@ def _deepspeed(version: str, cache: Path) -> Path:
     return hits[0]
 
 
+def _own_wheels(dest: Path) -> None:
+    """The six packages' wheels, built from the working tree: with ``uv build`` where uv is
+    installed (it keeps the build backend's environment: seconds), else ``pip wheel``."""
+    uv = shutil.which("uv")
+    if uv:
+        for pkg in PACKAGES:
+            _run([uv, "build", "-q", "--wheel", "-o", str(dest), str(ROOT / "packages" / pkg)])
+    else:
+        _run(
+            [
+                *_pip(),
+                "wheel",
+                "-q",
+                "--no-deps",
+                *(str(ROOT / "packages" / p) for p in PACKAGES),
+                "-w",
+                str(dest),
+            ]
+        )
+    built = sorted(w.name for w in dest.glob("zerohooks*.whl"))
+    if len(built) != len(PACKAGES):
+        raise SystemExit(
+            f"gpu-bundle: expected {len(PACKAGES)} wheels of the packages in {dest}, found {built}"
+        )
+
+
 def _project_files() -> list[str]:
     """The working tree's tracked and untracked (not ignored) files that exist."""
     out = subprocess.run(
@@ -208,17 +234,7 @@ def build(dest: Path, pyver: str, ds_version: str, cache: Path, max_mib: float) 
         w = _download(_pin(dist), third, pyver)
         (if_missing / module).mkdir(parents=True)
         shutil.copy2(w, if_missing / module / w.name)
-    _run(
-        [
-            *_pip(),
-            "wheel",
-            "-q",
-            "--no-deps",
-            *(str(ROOT / "packages" / p) for p in PACKAGES),
-            "-w",
-            str(wheels),
-        ]
-    )
+    _own_wheels(wheels)
 
     project = dest / "project"
     project.mkdir()
