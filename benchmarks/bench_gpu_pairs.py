@@ -155,6 +155,19 @@ def remove_new_locks(since: float) -> list[str]:
     return removed
 
 
+def kill_group(proc: subprocess.Popen[Any], since: float) -> None:
+    """Stop ``proc``'s process group (TERM, then KILL after 10 s) and remove the JIT build locks
+    made since ``since``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=10)
+            break
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            continue
+    remove_new_locks(since)
+
+
 def run_group(
     cmd: list[str], timeout: float, env: dict[str, str] | None = None, log: Path | None = None
 ) -> tuple[int | None, str]:
@@ -170,14 +183,7 @@ def run_group(
             rc: int | None = proc.wait(timeout=max(timeout, 0.1))
         except subprocess.TimeoutExpired:
             rc = None
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)
-                    proc.wait(timeout=10)
-                    break
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    continue
-            remove_new_locks(t0)
+            kill_group(proc, t0)
         f.seek(0)
         return rc, f.read()
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -34,8 +33,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_gpu_pairs import kill_group, run_group  # noqa: E402
 from bench_gpu_pairs import markdown as pairs_markdown  # noqa: E402  (standard library only)
-from bench_gpu_pairs import remove_new_locks, run_group  # noqa: E402
 
 INFO = r"""
 import ctypes.util, json, os, platform, sys
@@ -142,14 +141,7 @@ class Suite:
             rc = aio.wait(timeout=max(1.0, self.left() - 60))
             rec["status"] = "ok" if rc == 0 else f"failed (exit {rc})"
         except subprocess.TimeoutExpired:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(aio.pid, sig)
-                    aio.wait(timeout=10)
-                    break
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    continue
-            remove_new_locks(t0)
+            kill_group(aio, t0)
             rec["status"] = f"cut by the deadline after {time.time() - t0:.0f} s"
         rec["seconds"] = round(time.time() - t0, 1)
         rec["log"] = str(log)
