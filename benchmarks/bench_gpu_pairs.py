@@ -305,7 +305,8 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
             data["notes"].append(reason)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix="bench_gpu_pairs-"))
+    # the runs' temporary folder: the NVMe runs' swap files (O_DIRECT: not on a tmpfs)
+    scratch = Path(tempfile.mkdtemp(prefix="bench_gpu_pairs-", dir=args.scratch))
 
     def save() -> None:
         data["summary"] = summarize(data["results"], args)
@@ -377,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--nvme", action="store_true", help="nvmeswap vs DeepSpeed's NVMe offload (ZeRO 3)")
+    p.add_argument(
+        "--scratch", default=None, help="folder for the runs' files, swap files included (default: TMPDIR)"
+    )
     p.add_argument("--skip-ds-nvme", default=None, help="with --nvme: skip DeepSpeed's run, for this reason")
     p.add_argument("--tiny", action="store_true", help="a tiny model (smoke check)")
     p.add_argument("--cpu", action="store_true", help="run on CPU even where a GPU is visible")

@@ -207,6 +207,7 @@ class Suite:
         self.save()
 
         nvme = [py, "benchmarks/bench_gpu_pairs.py", "--nvme", "--out", str(self.out / "nvme.json")]
+        nvme += ["--scratch", str(self.work)]  # swap files: --work must be on a disk (O_DIRECT)
         skip_ds = self.join_aio(aio, aio_log, aio_t0, smoke)
         if skip_ds:
             nvme += ["--skip-ds-nvme", skip_ds]

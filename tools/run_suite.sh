@@ -12,7 +12,8 @@
 # Results: results.json and results.md (plus logs) in --out (default: $OUT, else ./suite-results).
 # The deadline (default 480 s = 8 minutes) counts from this script's start, install included.
 # TORCH_CUDA_ARCH_LIST defaults to the device's compute capability; TORCH_EXTENSIONS_DIR to a
-# folder in the scratch folder (--work, default a new temporary folder); MAX_JOBS to nproc.
+# folder in the scratch folder (--work, default a new temporary folder; it holds the nvme section's
+# swap files, written with O_DIRECT: give a folder on a disk where TMPDIR is a tmpfs); MAX_JOBS to nproc.
 # --cpu-smoke: a tiny model and few steps on CPU (the check that the suite itself works).
 # Environment: PYTHON (default python3).
 set -uo pipefail
@@ -31,7 +32,7 @@ while (($#)); do
     --work) WORK=$2; shift 2 ;;
     --cpu-smoke) SUITE_ARGS+=(--cpu-smoke); shift ;;
     --) shift; SUITE_ARGS+=("$@"); break ;;
-    -h | --help) sed -n '2,19p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h | --help) sed -n '2,18p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "run_suite.sh: unknown option $1 (accepted: --out DIR, --deadline SECONDS|Nm, --cpu-smoke, --work DIR, -- suite options)" >&2; exit 2 ;;
     esac
 done
