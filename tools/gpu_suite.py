@@ -266,9 +266,12 @@ def markdown(data: dict[str, Any]) -> str:
                 lines.append(f"skipped: {d['skipped']}")
             else:
                 lines.append(f"device copy {d['copy_GBps']:.0f} GB/s; {d['elements']} elements")
-                lines += ["", "| kernel | GB/s | of copy |", "|---|---|---|"]
-                for k, v in d["kernels"].items():
-                    lines.append(f"| {k} | {v.get('GBps', 0):.0f} | {v.get('fraction_of_copy', 0):.2f} |")
+                lines += ["", "| variant | kernel | GB/s | of copy |", "|---|---|---|---|"]
+                for variant, figures in d.get("variants", {"warp": d["kernels"]}).items():
+                    for k, v in figures.items():
+                        lines.append(
+                            f"| {variant} | {k} | {v.get('GBps', 0):.0f} | {v.get('fraction_of_copy', 0):.2f} |"
+                        )
         elif s["name"] in ("pairs", "nvme"):
             lines.append(pairs_markdown(d))
     return "\n".join(lines) + "\n"
