@@ -53,7 +53,7 @@ PACKAGES_DIR = ROOT / "packages"
 INTEGRATION_DIR = ROOT / "tests" / "integration"
 FRAMEWORKS_DIR = ROOT / "tests" / "frameworks"
 TORCH_EXTENSIONS_ROOT = ROOT / ".torch_extensions"
-LINT_PATHS = ("packages", "tests", "examples", "benchmarks", "noxfile.py")
+LINT_PATHS = ("packages", "tests", "examples", "benchmarks", "tools", "noxfile.py")
 
 
 class Package(str, enum.Enum):

@@ -3,6 +3,8 @@
 #   bash run.sh demo [demo options]   the training demo (examples/train_gpt.py) in a nox-made venv
 #   bash run.sh examples [options]    the Trainer and accelerate examples under torchrun (`nox -s examples`)
 #   bash run.sh test [nox options]    the test suite: `nox` (every package, integration, frameworks, lint, typecheck)
+#   bash run.sh gpu-bundle DIR [opts] a folder that runs the GPU suite on a machine without network
+#                                     (tools/gpu_bundle.py; then on that machine: bash DIR/run_suite.sh)
 # It installs what is missing (nox, uv; g++ / libaio-dev through apt when needed), then runs nox,
 # which builds its own virtual environments with torch pinned by constraints.txt. `demo` reuses its
 # venv without installing when packages/*/pyproject.toml, constraints.txt and examples/requirements.txt
@@ -73,8 +75,14 @@ test)
     shift
     exec "${nox_cmd[@]}" "$@"
     ;;
+gpu-bundle)
+    shift
+    here=$PWD
+    cd "${OLDPWD:-$PWD}" # DIR is relative to where run.sh was started (the cd above set OLDPWD)
+    exec "$PYTHON" "$here/tools/gpu_bundle.py" "$@"
+    ;;
 *)
-    echo "usage: bash run.sh demo [demo options] | bash run.sh examples [example options] | bash run.sh test [nox options]" >&2
+    echo "usage: bash run.sh demo [demo options] | bash run.sh examples [example options] | bash run.sh test [nox options] | bash run.sh gpu-bundle DIR [options]" >&2
     exit 2
     ;;
 esac
