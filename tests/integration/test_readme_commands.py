@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import importlib.util
 import re
 import shlex
 import sys
@@ -102,6 +103,54 @@ def check_nox(argv: list[str]) -> None:
             i += 1
 
 
+def _argparse_of(path: Path) -> argparse.ArgumentParser:
+    """The parser a tool's ``main`` builds, captured without running the tool."""
+    spec = importlib.util.spec_from_file_location(f"_readme_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    captured: list[argparse.ArgumentParser] = []
+
+    def refuse(self: argparse.ArgumentParser, message: str) -> None:
+        raise _Refused(f"{path.name}: {message}")
+
+    def capture(self: argparse.ArgumentParser, args: object = None, namespace: object = None) -> None:
+        captured.append(self)
+        raise _Refused("captured")
+
+    original = argparse.ArgumentParser.parse_args
+    argparse.ArgumentParser.parse_args = capture  # type: ignore[assignment,method-assign]
+    try:
+        module.main([])
+    except _Refused:
+        pass
+    finally:
+        argparse.ArgumentParser.parse_args = original  # type: ignore[method-assign]
+    assert captured, f"{path} builds no argparse parser in main()"
+    parser = captured[0]
+    parser.error = refuse.__get__(parser)  # type: ignore[method-assign]
+    return parser
+
+
+def check_gpu_bundle(argv: list[str]) -> None:
+    _argparse_of(ROOT / "tools" / "gpu_bundle.py").parse_args(argv)
+
+
+def check_run_suite(argv: list[str]) -> None:
+    """run_suite.sh's own options (its case list), then the suite's options after ``--``."""
+    text = (ROOT / "tools" / "run_suite.sh").read_text()
+    options = dict(re.findall(r"^\s*(--[\w-]+)\) (\w+=)?", text, flags=re.M))
+    takes_value = {o for o, assign in re.findall(r"^\s*(--[\w-]+)\) (\w+=\$2)?", text, flags=re.M) if assign}
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--":
+            _argparse_of(ROOT / "tools" / "gpu_suite.py").parse_args(["--out", "x", *argv[i + 1 :]])
+            return
+        if argv[i] not in options:
+            raise _Refused(f"run_suite.sh has no option {argv[i]!r} (it has {sorted(options)})")
+        i += 2 if argv[i] in takes_value else 1
+
+
 def check(words: list[str]) -> None:
     head, rest = words[0], words[1:]
     if head == "sudo":
@@ -115,6 +164,12 @@ def check(words: list[str]) -> None:
             check_nox(args)
         elif sub == "examples":
             check_framework_example("examples/hf_trainer.py", args)
+        elif sub == "gpu-bundle":
+            check_gpu_bundle(args)
+        return
+    if head == "bash" and rest[:1] and rest[0].endswith("run_suite.sh"):
+        # tools/run_suite.sh in a checkout, or DIR/run_suite.sh in a bundle (the same script)
+        check_run_suite(rest[1:])
         return
     if head == "nox":
         check_nox(rest)
@@ -170,6 +225,9 @@ def test_the_checks_can_fail() -> None:
         ["sudo", "python", "examples/train_gpt.py"],
         ["torchrun", "--nproc_per_node", "2", "examples/hf_trainer.py", "--no-such-flag"],
         ["frobnicate"],
+        ["bash", "run.sh", "gpu-bundle", "out", "--no-such-flag"],
+        ["bash", "tools/run_suite.sh", "--no-such-flag"],
+        ["bash", "tools/run_suite.sh", "--out", "x", "--", "--no-such-flag"],
     ):
         with pytest.raises((_Refused, AssertionError)):
             check(words)
