@@ -43,7 +43,8 @@ def _check(results: list[dict[str, object]]) -> None:
         message = str(r["message"])
         assert message.startswith("rank 0: a rank stalled during DeepSpeedEngine."), r
         assert "Not responding: rank(s) [1]" in message and "rank 1 was last heard" in message, r
-        assert LIMIT <= float(r["detected_after"]) <= LIMIT + 10, r  # type: ignore[arg-type]
+        # at least the limit less one heartbeat interval (the last beat comes before the stop)
+    assert LIMIT - 0.5 <= float(r["detected_after"]) <= LIMIT + 10, r  # type: ignore[arg-type]
 
 
 @pytest.mark.multirank
@@ -57,13 +58,27 @@ def test_a_rank_stopped_at_random_moments_is_named_within_the_limit() -> None:
 
 @pytest.mark.slow
 @pytest.mark.multirank
-@pytest.mark.skipif(os.environ.get("ZEROHOOKS_LONG_TESTS") != "1", reason="a long sweep: ZEROHOOKS_LONG_TESTS=1")
+@pytest.mark.skipif(
+    os.environ.get("ZEROHOOKS_LONG_TESTS") != "1", reason="a long sweep: ZEROHOOKS_LONG_TESTS=1"
+)
 def test_a_longer_sweep_of_stopped_ranks() -> None:
     _check(_trials([("1,2,3", 30, 3), ("3,2,1", 30, 4)]))
 
 
 def test_where_the_main_thread_is_names_its_frames() -> None:
-    def inner() -> str:
-        return stepwatch.where_main_thread_is()
+    """Read from another thread, as the heartbeat reads it, while the main thread waits."""
+    import threading
 
-    assert inner().startswith("where_main_thread_is < inner (tests/test_stepwatch.py:")
+    seen: list[str] = []
+    done = threading.Event()
+
+    def look() -> None:
+        seen.append(stepwatch.where_main_thread_is(depth=8))
+        done.set()
+
+    def waiting_in_a_known_place() -> None:
+        threading.Thread(target=look).start()
+        assert done.wait(30)
+
+    waiting_in_a_known_place()
+    assert "waiting_in_a_known_place (tests/test_stepwatch.py:" in seen[0], seen
