@@ -53,7 +53,7 @@ PACKAGES_DIR = ROOT / "packages"
 INTEGRATION_DIR = ROOT / "tests" / "integration"
 FRAMEWORKS_DIR = ROOT / "tests" / "frameworks"
 TORCH_EXTENSIONS_ROOT = ROOT / ".torch_extensions"
-LINT_PATHS = ("packages", "tests", "examples", "benchmarks", "noxfile.py")
+LINT_PATHS = ("packages", "tests", "examples", "benchmarks", "tools", "noxfile.py")
 
 
 class Package(str, enum.Enum):
@@ -504,6 +504,26 @@ def demo(session: nox.Session) -> None:
     _run_script(session, "examples", "train_gpt.py")
 
 
+EXAMPLE_SCRIPTS = ("hf_trainer.py", "accelerate_loop.py")
+"""The framework examples `nox -s examples` runs, each under torchrun."""
+
+
+@nox.session
+def examples(session: nox.Session) -> None:
+    """The framework examples (examples/hf_trainer.py, examples/accelerate_loop.py) under torchrun,
+    2 CPU ranks or one rank per GPU, with transformers and accelerate installed; posargs go to
+    both scripts (e.g. `nox -s examples -- --steps 4 --stage 3`)."""
+    _install_once(session, [ROOT / "examples" / "requirements.txt", FRAMEWORKS_DIR / "requirements.txt"])
+    session.env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
+    gpus = session.run(
+        "python", "-c", "import torch; print(torch.cuda.device_count())", silent=True, log=False
+    )
+    nproc = int(str(gpus).strip().splitlines()[-1] or 0) or 2
+    for name in EXAMPLE_SCRIPTS:
+        script = (ROOT / "examples" / name).relative_to(ROOT)
+        session.run("torchrun", f"--nproc_per_node={nproc}", str(script), *session.posargs)
+
+
 INSTALL_STAMP = ".zerohooks-install-stamp"
 """File in a session's venv holding :func:`install_fingerprint` of its last complete install."""
 
@@ -542,11 +562,17 @@ def _run_script(session: nox.Session, folder: str, name: str) -> None:
     script = ROOT / folder / name
     if not script.is_file():
         session.skip(f"{folder}/{name} does not exist yet")
+    _install_once(session, [ROOT / folder / "requirements.txt"])
+    session.run("python", str(script.relative_to(ROOT)), *session.posargs)
+
+
+def _install_once(session: nox.Session, requirements: list[Path]) -> None:
+    """Every package plus the ``requirements`` files (those that exist), unless the venv's last
+    install had the same :func:`install_fingerprint`; then the JIT build folder of the venv."""
     _prepare(session)
-    req = ROOT / folder / "requirements.txt"
-    args = ["-r", str(req)] if req.is_file() else []
+    args = [a for req in requirements if req.is_file() for a in ("-r", str(req))]
     constraints = _constraints()
-    files = [p.path / "pyproject.toml" for p in PACKAGES] + [req, ROOT / "pyproject.toml"]
+    files = [p.path / "pyproject.toml" for p in PACKAGES] + [*requirements, ROOT / "pyproject.toml"]
     if constraints is not None:
         files.append(constraints)
     fingerprint = install_fingerprint(files, [*args, *_pin_args(), *(p.value for p in PACKAGES)])
@@ -561,4 +587,3 @@ def _run_script(session: nox.Session, folder: str, name: str) -> None:
         _check_install(session, PACKAGES, isolated=False)
         (venv / INSTALL_STAMP).write_text(fingerprint + "\n", encoding="utf-8")
     _use_jit_dir(session)
-    session.run("python", str(script.relative_to(ROOT)), *session.posargs)

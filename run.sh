@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The project's two commands, each working on a fresh machine (Python 3.10+ with pip):
+# The project's commands, each working on a fresh machine (Python 3.10+ with pip):
 #   bash run.sh demo [demo options]   the training demo (examples/train_gpt.py) in a nox-made venv
-#   bash run.sh test [nox options]    the test suite: `nox` (every package, integration, lint, typecheck)
+#   bash run.sh examples [options]    the Trainer and accelerate examples under torchrun (`nox -s examples`)
+#   bash run.sh test [nox options]    the test suite: `nox` (every package, integration, frameworks, lint, typecheck)
+#   bash run.sh gpu-bundle DIR [opts] a folder that runs the GPU suite on a machine without network
+#                                     (tools/gpu_bundle.py; then on that machine: bash DIR/run_suite.sh)
 # It installs what is missing (nox, uv; g++ / libaio-dev through apt when needed), then runs nox,
 # which builds its own virtual environments with torch pinned by constraints.txt. `demo` reuses its
 # venv without installing when packages/*/pyproject.toml, constraints.txt and examples/requirements.txt
@@ -21,16 +24,22 @@ log() { printf 'run.sh: %s\n' "$*" >&2; }
 apt_packages=()
 command -v c++ >/dev/null 2>&1 || apt_packages+=(g++) # torch/DeepSpeed JIT-build C++ ops
 if [[ -d packages/nvmeswap ]] && ! dpkg -s libaio-dev >/dev/null 2>&1; then
-    apt_packages+=(libaio-dev) # DeepSpeed's own async_io op: the oracle of the NVMe swap tests (nvmeswap does not need it)
+    apt_packages+=(libaio-dev) # DeepSpeed's own async_io op: the NVMe swap tests' oracle, the demo's ds-nvme run (nvmeswap does not need it)
 fi
 if [[ $(id -u) == 0 ]] && ! { command -v ip && command -v tc; } >/dev/null 2>&1; then
     apt_packages+=(iproute2) # ip netns, veth, tc: the emulated nodes of the two-node tests (skipped without)
 fi
 if ((${#apt_packages[@]})); then
-    log "apt-get install ${apt_packages[*]}"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends "${apt_packages[@]}"
+    as_root=()
+    [[ $(id -u) == 0 ]] || as_root=(sudo -n) # apt needs root: sudo without a password prompt, else say what is missing
+    if [[ $(id -u) == 0 ]] || sudo -n true 2>/dev/null; then
+        log "apt-get install ${apt_packages[*]}"
+        export DEBIAN_FRONTEND=noninteractive
+        "${as_root[@]}" apt-get update -qq
+        "${as_root[@]}" apt-get install -y -qq --no-install-recommends "${apt_packages[@]}"
+    else
+        log "not root: not installing ${apt_packages[*]} (apt-get needs root); without g++ nothing builds, without libaio-dev DeepSpeed's NVMe offload is skipped"
+    fi
 fi
 
 # --- Python tools -----------------------------------------------------------------------------
@@ -58,12 +67,22 @@ demo)
     shift
     exec "${nox_cmd[@]}" -s demo -- "$@"
     ;;
+examples)
+    shift
+    exec "${nox_cmd[@]}" -s examples -- "$@"
+    ;;
 test)
     shift
     exec "${nox_cmd[@]}" "$@"
     ;;
+gpu-bundle)
+    shift
+    here=$PWD
+    cd "${OLDPWD:-$PWD}" # DIR is relative to where run.sh was started (the cd above set OLDPWD)
+    exec "$PYTHON" "$here/tools/gpu_bundle.py" "$@"
+    ;;
 *)
-    echo "usage: bash run.sh demo [demo options] | bash run.sh test [nox options]" >&2
+    echo "usage: bash run.sh demo [demo options] | bash run.sh examples [example options] | bash run.sh test [nox options] | bash run.sh gpu-bundle DIR [options]" >&2
     exit 2
     ;;
 esac

@@ -311,8 +311,13 @@ def _kernel_cases(device: str, n: int, G: int = 128, sources: int = 2) -> dict[s
 
 def bench_cuda_kernels(n: int = 1 << 26, repeats: int = 20) -> dict[str, Any]:
     """The same three kernels on a CUDA device (64 M elements), bytes per second as a fraction of
-    the device's copy of a 256 MiB fp32 buffer, timed with CUDA events (goal >= 0.7).  A dict
-    with the reason where there is no GPU or the CUDA kernels do not build."""
+    the device's copy of a 256 MiB fp32 buffer, timed with CUDA events (goal >= 0.7), for each
+    variant of the kernels: ``warp`` (the default: a warp per group, 1-2 bytes per lane per
+    access) and ``vec16`` (``LOCO_CUDA_VARIANT=vec16``: 16 bytes per lane, several groups per
+    warp), interleaved.  ``kernels`` holds the default's figures, ``variants`` every variant's.
+    A dict with the reason where there is no GPU or the CUDA kernels do not build."""
+    import os
+
     import torch
 
     from loco import ops
@@ -324,8 +329,10 @@ def bench_cuda_kernels(n: int = 1 << 26, repeats: int = 20) -> dict[str, Any]:
     kernels = {
         name: (lambda fn=fn: fn(True), moved) for name, (fn, moved) in _kernel_cases("cuda", n).items()
     }
+    variants = ("warp", "vec16")
     src = torch.ones(n, device="cuda")
     dst = torch.empty_like(src)
+    before = os.environ.get("LOCO_CUDA_VARIANT")
 
     def timed(fn: Any) -> float:
         fn()
@@ -338,23 +345,37 @@ def bench_cuda_kernels(n: int = 1 << 26, repeats: int = 20) -> dict[str, Any]:
         torch.cuda.synchronize()
         return start.elapsed_time(end) / repeats / 1e3
 
-    copy_t, times = [], {name: [] for name in kernels}
-    for _ in range(5):  # interleaved
-        copy_t.append(timed(lambda: dst.copy_(src)))
-        for name, (fn, _) in kernels.items():
-            times[name].append(timed(fn))
+    copy_t: list[float] = []
+    times: dict[str, dict[str, list[float]]] = {v: {name: [] for name in kernels} for v in variants}
+    try:
+        for _ in range(5):  # interleaved
+            copy_t.append(timed(lambda: dst.copy_(src)))
+            for v in variants:
+                os.environ["LOCO_CUDA_VARIANT"] = v
+                for name, (fn, _) in kernels.items():
+                    times[v][name].append(timed(fn))
+    finally:
+        if before is None:
+            os.environ.pop("LOCO_CUDA_VARIANT", None)
+        else:
+            os.environ["LOCO_CUDA_VARIANT"] = before
     copy_bw = 2 * 4 * n / min(copy_t)
+    figures = {
+        v: {
+            name: {
+                "GBps": moved / min(times[v][name]) / 1e9,
+                "fraction_of_copy": moved / min(times[v][name]) / copy_bw,
+            }
+            for name, (_, moved) in kernels.items()
+        }
+        for v in variants
+    }
     return {
         "device": torch.cuda.get_device_name(),
         "elements": n,
         "copy_GBps": copy_bw / 1e9,
-        "kernels": {
-            name: {
-                "GBps": moved / min(times[name]) / 1e9,
-                "fraction_of_copy": moved / min(times[name]) / copy_bw,
-            }
-            for name, (_, moved) in kernels.items()
-        },
+        "kernels": figures["warp"],
+        "variants": figures,
     }
 
 

@@ -94,6 +94,105 @@ def _fmt(x: float, spec: str) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def _dtype_split(dtypes: dict[str, int] | None) -> str:
+    if not dtypes:
+        return "n/a"
+    total = sum(dtypes.values()) or 1
+    return ", ".join(f"{d} {n / total:.0%}" for d, n in sorted(dtypes.items(), key=lambda kv: -kv[1]))
+
+
+def changes(r: Result, ref: Result | None) -> list[str]:
+    """In words, what run ``r`` changed against the reference run ``ref`` (the first trained),
+    by how much: each measured figure that differs."""
+    out: list[str] = []
+    if ref is None or r is ref:
+        return out
+    s, s0 = summarize(r), summarize(ref)
+    wire, wire0 = s["wire_bytes_per_step"], s0["wire_bytes_per_step"]
+    if wire and wire0:
+        a, b = sum(wire.values()), sum(wire0.values())
+        if b and abs(a / b - 1) > 0.005:
+            out.append(f"bytes on the wire {human_bytes(a)}/step, {a / b:.3f}x")
+    cd, cd0 = r.get("comm_dtypes") or [], ref.get("comm_dtypes") or []
+    if cd and cd != cd0:
+        out.append(f"gradients handed over in {'/'.join(cd)} (was {'/'.join(cd0) or 'n/a'})")
+    err, err0 = r.get("grad_error"), ref.get("grad_error")
+    if err is not None and err0 is not None and (err0 == 0 or abs(err / err0 - 1) > 0.05 or err == 0):
+        out.append(f"gradient error vs fp64 {err:.2e} (was {err0:.2e})")
+    pd, pd0 = r.get("param_dtypes"), ref.get("param_dtypes")
+    if pd and pd != pd0:
+        out.append(f"parameters {_dtype_split(pd)} (was {_dtype_split(pd0)})")
+    if r.get("zero_stage") != ref.get("zero_stage"):
+        out.append(f"ZeRO stage {r.get('zero_stage')} (was {ref.get('zero_stage')})")
+    if r.get("offload") != ref.get("offload"):
+        out.append(
+            f"optimizer state on {r.get('offload') or 'the rank'} (was {ref.get('offload') or 'the rank'})"
+        )
+    disk = r.get("disk_bytes_per_step")
+    if disk:
+        out.append(
+            f"swap files: {human_bytes(disk['written'])} written, {human_bytes(disk['read'])} read /step"
+        )
+    t, t0 = s["step_time_ms"], s0["step_time_ms"]
+    if t0 and not math.isnan(t) and not math.isnan(t0):
+        out.append(f"step time {t / t0:.2f}x")
+    loss, loss0 = s["final_val_loss"], s0["final_val_loss"]
+    if not math.isnan(loss) and not math.isnan(loss0):
+        out.append(f"final val loss {loss - loss0:+.4f}")
+    return out
+
+
+def plugin_section(results: list[Result], meta: dict[str, Any]) -> list[str]:
+    """What each run changed against the first trained run, next to the figures; then the
+    registered runs that this command did not run (what ``--runs all`` adds)."""
+    ok = [r for r in results if r.get("status") == "ok"]
+    lines: list[str] = []
+    if len(ok) > 1:
+        ref = ok[0]
+        lines += [
+            "",
+            f"## What each run changed, against {ref['name']}",
+            "",
+            "| run | what it does | what changed, by how much | gradient error vs fp64 | parameters by dtype "
+            "| swap-file bytes /step |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in ok:
+            disk = r.get("disk_bytes_per_step")
+            err = r.get("grad_error")
+            said = "; ".join(changes(r, ref)) or ("(the reference)" if r is ref else "nothing measured")
+            lines.append(
+                f"| {r['name']} | {r.get('help', '')} | {said} | {'n/a' if err is None else f'{err:.2e}'} | "
+                f"{_dtype_split(r.get('param_dtypes'))} | "
+                f"{'none' if not disk else human_bytes(disk['written'] + disk['read'])} |"
+            )
+        lines += [
+            "",
+            "- gradient error vs fp64: after training, one more optimizer step's micro-steps (not "
+            "taken): the averaged gradient the optimizer holds (`deepspeed.utils.safe_get_full_grad`) "
+            "against the very gradients autograd produced for those micro-steps on every rank, summed "
+            "and averaged in fp64; relative L2 norm over all parameters. What remains is the error of "
+            "accumulating and reducing them: the accumulation and communication dtype (accumdtype), "
+            "4-bit codes (loco; its error feedback carries the rest into the next step). n/a where "
+            "DeepSpeed does not give the full gradient.",
+            "- parameters by dtype: of the model's parameters (mixedlayers keeps LayerNorms and the "
+            "head in fp32). swap-file bytes: nvmeswap's own counters, written plus read per optimizer "
+            "step, summed over ranks.",
+        ]
+    registered = meta.get("registered_runs") or {}
+    asked = {r["name"] for r in results} | set(meta.get("runs_requested") or ())
+    more = {n: h for n, h in registered.items() if n not in asked}
+    if more:
+        lines += [
+            "",
+            f"`--runs all` adds {len(more)} more registered runs (trained, or skipped with the reason "
+            "where they cannot run here):",
+            "",
+            *(f"- `{n}`: {h}" for n, h in more.items()),
+        ]
+    return lines
+
+
 def link_section(results: list[Result], meta: dict[str, Any]) -> list[str]:
     """With ``--nodes``: per run, step time and the bytes that crossed the emulated link."""
     rows = [r for r in results if r.get("status") == "ok" and r.get("link_bytes") is not None]
@@ -209,10 +308,16 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
         "of its input per rank, a reduce-scatter (W-1)/W). The ratio compares each run with the "
         "first one.",
         "- run wall time: from building the run's engine to its last evaluation (rank 0).",
-        f"- peak memory: {meta.get('memory_kind', '')}, the largest over ranks.",
+        f"- peak memory: {meta.get('memory_kind', '')}, the largest over ranks"
+        + (
+            "; each run trained in its own processes (one launch per run)."
+            if meta.get("one_process_per_run")
+            else "; all runs in one process (--same-process): what earlier runs left counts."
+        ),
     ]
     if skipped:
-        lines += ["", "Skipped runs:", *skipped]
+        lines += ["", "Skipped or failed runs:", *skipped]
+    lines += plugin_section(results, meta)
     lines += link_section(results, meta)
     lines += ["", "![loss](loss.png)", "", "![communication bytes](comm_bytes.png)", ""]
     return "\n".join(lines)

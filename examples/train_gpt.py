@@ -2,15 +2,18 @@
 
     python examples/train_gpt.py                      # 2 CPU ranks (gloo), or 1 rank per GPU (NCCL)
     python examples/train_gpt.py --stage 3 --runs baseline,accumdtype
+    python examples/train_gpt.py --runs all           # every registered run, or skipped with the reason
     python examples/train_gpt.py --list-runs
-    sudo python examples/train_gpt.py --nodes 2 --link-rate 100mbit --stage 0 --runs baseline,loco
+    python examples/train_gpt.py --nodes 2 --link-rate 100mbit --stage 0 --runs baseline,loco  # as root
 
 The command launches its own ranks: run outside a distributed launch (no ``RANK`` in the
-environment), it starts itself again under ``torch.distributed.run`` with ``--nproc`` ranks.
-Several configurations (``--runs``, registered in ``runs.py``) are trained one after another
-in the same launch and compared in one report folder (``--out``): loss.png, comm_bytes.png,
-report.md, results.json. ``--nodes N`` runs the ranks as N emulated nodes joined by one shaped
-network link (``nodes.py``; Linux, root) and reports the bytes that crossed it.
+environment), it starts itself again under ``torch.distributed.run`` with ``--nproc`` ranks,
+once per run (each run in its own processes: its own memory, peak memory and swap folder), or
+once for all runs with ``--same-process`` (each engine released before the next is built).
+The runs (``--runs``, registered in ``runs.py``) are compared in one report folder (``--out``):
+loss.png, comm_bytes.png, report.md, results.json. ``--nodes N`` runs the ranks as N emulated
+nodes joined by one shaped network link (``nodes.py``; Linux, root) and reports the bytes that
+crossed it.
 """
 
 from __future__ import annotations
@@ -23,10 +26,8 @@ import logging
 import os
 import platform
 import resource
-import shlex
-import subprocess
+import shutil
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -34,8 +35,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import measure
 import nodes as emulated  # sibling modules of this script
 import runs as run_registry
+from launch import command_line, launch, registered_runs, where
 
 WARMUP_STEPS = 3
 T_IMPORT = time.time()
@@ -73,15 +76,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("comparison")
     g.add_argument(
         "--runs",
-        default="baseline",
-        help="comma-separated runs to compare, each a registered name or a+b; 'all' for all",
+        default=None,
+        help="comma-separated runs to compare, each a registered name or a+b; 'all' for every "
+        f"registered run (default: {','.join(run_registry.DEFAULT_RUNS)}, those installed)",
+    )
+    g.add_argument(
+        "--same-process",
+        action="store_true",
+        help="train every run in one launch of the ranks, releasing each engine (engine.destroy(), "
+        "which detaches zerohooks) before the next; faster start, but a run's peak memory then "
+        "includes what earlier runs left behind. Default: one launch per run",
     )
     g.add_argument("--plugins", default="", help="comma-separated plugin runs applied on top of every run")
     g.add_argument("--list-runs", action="store_true", help="list the registered runs and exit")
     # the `deepspeed` launcher passes --local_rank; LOCAL_RANK in the environment is what we use
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=150, help="optimizer steps per run")
+    g.add_argument("--steps", type=int, default=60, help="optimizer steps per run")
     g.add_argument("--micro-batch", type=int, default=16, help="sequences per rank per micro-step")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     g.add_argument("--seq-len", type=int, default=128, help="context length in bytes")
@@ -90,7 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--eval-every",
         type=int,
-        default=25,
+        default=20,
         help="validation every N steps, before the first and after the last",
     )
     g.add_argument("--eval-batches", type=int, default=4, help="validation batches per rank")
@@ -117,30 +128,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--nproc must be at least 1")
     emulated.check_args(args, p.error)
     args.plugin_list = tuple(x for x in args.plugins.split(",") if x)
-    if args.runs.strip() == "all":
+    if args.runs is None:
+        args.run_list = run_registry.default_runs()
+    elif args.runs.strip() == "all":
         args.run_list = list(run_registry.RUNS)
     else:
-        args.run_list = [x for x in args.runs.split(",") if x]
+        args.run_list = [x.strip() for x in args.runs.split(",") if x.strip()]
     if not args.run_list:
         p.error("--runs is empty")
     for spec in args.run_list:
         try:
             run_registry.resolve(spec, args.plugin_list)
         except KeyError as e:
-            p.error(str(e.args[0]))
+            # said plainly, as zerohooks says a misspelt plugin section, without the usage text
+            print(f"train_gpt: error: --runs: {e.args[0]}", file=sys.stderr)
+            raise SystemExit(2) from None
     return args
 
 
-def list_runs() -> None:
+def list_runs(args: argparse.Namespace) -> None:
     import torch
 
-    if not torch.cuda.is_available():
+    cuda = torch.cuda.is_available() and args.nodes == 1
+    if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # zerohooks imports deepspeed
-    print("Registered runs (examples/runs.py):")
+    world = args.nproc or (torch.cuda.device_count() if cuda else 2)
+    default = run_registry.default_runs()
+    print(f"Registered runs (examples/runs.py; * the default; [why not] with {world} rank(s) here):")
     for name, run in run_registry.RUNS.items():
-        reason = run.skip_reason()
+        reason = run.skip_reason(where(args, world, cuda))
         state = f"  [{reason}]" if reason else ""
-        print(f"  {name:<12} {run.help}{state}")
+        print(f"{'*' if name in default else ' '} {name:<17} {run.help}{state}")
     extra = sorted(run_registry.plugin_names() - set(run_registry.RUNS))
     if extra:
         print("zerohooks plugins with no registered run (they run with their default settings):")
@@ -150,85 +168,6 @@ def list_runs() -> None:
 
 
 # ---------------------------------------------------------------------------- launcher
-
-
-def prebuild(args: argparse.Namespace) -> None:
-    """Build the C++ kernels of the plugins these runs use once, here, before the ranks start
-    (`python -m zerohooks.build`): the ranks then load them, and the build says what it does."""
-    try:
-        from zerohooks.build import build, plugin_targets
-    except ImportError:
-        return
-    used = {p for spec in args.run_list for p in run_registry.resolve(spec, args.plugin_list).plugins}
-    targets = [t for t in plugin_targets() if t in used]
-    if targets:
-        build(targets)
-
-
-def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    """Start this script under torch.distributed.run and return its exit status."""
-    import torch
-
-    if args.nodes > 1:
-        reason = emulated.unavailable(args)  # before the kernel build: say at once
-        if reason is not None:
-            print(reason, file=sys.stderr)
-            return 2
-    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() and args.nodes == 1 else 0
-    nproc = args.nproc or n_gpu or 2
-    if n_gpu and nproc > n_gpu:
-        print(f"error: --nproc {nproc} but only {n_gpu} GPUs (one rank per GPU)", file=sys.stderr)
-        return 2
-    if not n_gpu and args.dtype == "fp16":
-        print(
-            "error: --dtype fp16 needs GPUs: DeepSpeed's CPU accelerator refuses fp16 here. "
-            "Use --dtype bf16 or fp32 (or auto, the default).",
-            file=sys.stderr,
-        )
-        return 2
-    env = dict(os.environ)
-    if n_gpu:
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    else:
-        env.setdefault("DS_ACCELERATOR", "cpu")
-        env.setdefault("LOCAL_SIZE", str(nproc))  # DeepSpeed's CPU accelerator reads it
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    if args.nodes > 1:
-        emulated.rank_env(args, env)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(Path(__file__).resolve()),
-    ]  # our options go through the environment: torchrun's parser would take e.g. --nproc as its own
-    prebuild(args)
-    where = f"{nproc} GPU rank(s), NCCL" if n_gpu else f"{nproc} CPU rank(s), gloo"
-    where = emulated.describe(args) if args.nodes > 1 else where
-    print(f"train_gpt: launching {where}", flush=True)
-    env["TRAIN_GPT_ARGV"] = json.dumps(argv)
-    env["TRAIN_GPT_T0"] = str(T_IMPORT)
-    env["TRAIN_GPT_COMMAND"] = command_line()
-    with tempfile.TemporaryDirectory(prefix="train_gpt_") as errors:
-        env["TRAIN_GPT_ERROR_DIR"] = errors
-        try:
-            if args.nodes > 1:
-                rc = emulated.run(args, cmd[-1], env)
-            else:
-                rc = subprocess.run(cmd, env=env).returncode
-        except KeyboardInterrupt:
-            print("train_gpt: interrupted", file=sys.stderr)
-            return 130
-        finish_report(args.out, rc)
-        if rc != 0:
-            why = [p.read_text().strip() for p in sorted(Path(errors).glob("rank*.txt"))]
-            print(
-                f"train_gpt: failed (exit status {rc})"
-                + ("".join(f"\n  {w}" for w in why) if why else "; see the errors above"),
-                file=sys.stderr,
-            )
-    return rc
 
 
 # ---------------------------------------------------------------------------- worker
@@ -301,12 +240,16 @@ def param_groups(model: Any) -> list[dict[str, Any]]:
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def reset_peak_memory(cuda: bool) -> str:
+def reset_peak_memory(cuda: bool, own_process: bool = False) -> str:
+    """Start counting a run's peak memory; what is counted, in words.  ``own_process``: the
+    process trains this run only, so its peak since start-up is the run's own."""
     import torch
 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-        return "torch.cuda.max_memory_allocated"
+        return "torch.cuda.max_memory_allocated" + (", one process per run" if own_process else "")
+    if own_process:
+        return "peak RSS of the rank process, which trained this run only (getrusage ru_maxrss)"
     try:  # Linux: resets the process's peak RSS, so each run gets its own figure
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -322,69 +265,6 @@ def peak_memory(cuda: bool) -> int:
         return int(torch.cuda.max_memory_allocated())
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
-
-
-def command_line() -> str:
-    """The command line this process was started with, as typed (interpreter included)."""
-    argv = getattr(sys, "orig_argv", None) or ["python", *sys.argv]
-    return shlex.join(argv)
-
-
-def finish_report(out: str, rc: int) -> None:
-    """In the launcher, once the ranks are gone: put the wall time of the whole command (start-up
-    and shut-down included) into report.md and results.json, and print it."""
-    path = Path(out) / "results.json"
-    wall = round(time.time() - T_IMPORT, 1)
-    try:
-        data = json.loads(path.read_text())
-        if data.get("meta", {}).get("launch_t0") != T_IMPORT:
-            return  # not written by this command (it failed before its first report)
-        from report import markdown
-
-        data["meta"]["wall_time_s"] = wall
-        data["meta"]["wall_time_final"] = rc == 0
-        path.write_text(json.dumps(data, indent=1))
-        (Path(out) / "report.md").write_text(markdown(data["runs"], data["meta"]))
-    except (OSError, ValueError, KeyError, ImportError):
-        return
-    if rc == 0:
-        print(f"train_gpt: done in {wall:.0f} s; report: {Path(out).resolve()}", flush=True)
-
-
-def step_comm_bytes(engine: Any, wire: bool = False) -> dict[str, dict[str, int]] | None:
-    """Bytes per collective and dtype in the last step from zerohooks' counters, if any: handed
-    to the collective (before any owner), or sent on the wire (``wire=True``)."""
-    try:
-        import zerohooks
-    except ImportError:
-        return None
-    try:
-        att = zerohooks.attachment(engine)
-        counters = getattr(att, "counters", None) if att is not None else None
-        if counters is None:
-            return None
-        last = counters.last_step(wire=True) if wire else counters.last_step()
-    except Exception:  # counters are optional decoration; never fail training for them
-        return None
-    if last is None:
-        return None
-    return {str(c): {str(d): int(n) for d, n in v.items()} for c, v in dict(last).items()}
-
-
-def sum_over_ranks(per_rank: list[list[Any]], steps: int) -> list[dict[str, dict[str, int]]] | None:
-    """Per step, ``{collective: {dtype: bytes}}`` summed over the ranks (None if a rank had none)."""
-    if not all(r[i] is not None for r in per_rank for i in range(steps)):
-        return None
-    summed = []
-    for i in range(steps):
-        step_sum: dict[str, dict[str, int]] = {}
-        for r in per_rank:
-            for coll, by_dtype in r[i].items():
-                for dt_name, n in by_dtype.items():
-                    d = step_sum.setdefault(coll, {})
-                    d[dt_name] = d.get(dt_name, 0) + n
-        summed.append(step_sum)
-    return summed
 
 
 def train_one(
@@ -410,7 +290,7 @@ def train_one(
     torch.manual_seed(args.seed)
     model = GPT(GPTConfig(seq_len=args.seq_len, n_layer=args.layers, n_head=args.heads, d_model=args.d_model))
     ctx["n_params"] = model.num_parameters()
-    memory_kind = reset_peak_memory(cuda)
+    memory_kind = reset_peak_memory(cuda, ctx.get("own_process", False))
     if rank == 0:
         print(
             f"[{run.name}] building the DeepSpeed engine ({ctx['n_params'] / 1e6:.2f} M parameters)",
@@ -452,6 +332,7 @@ def train_one(
         print(f"[{run.name}] step 0: val loss {val[0][1]:.4f}", flush=True)
     link = emulated.LinkMeter(args.nodes > 1)
     link.start()
+    swap0 = measure.swap_bytes(engine)
     bar = tqdm(
         total=args.steps,
         desc=f"{run.name}",
@@ -475,8 +356,8 @@ def train_one(
         dt = time.perf_counter() - t0
         losses.append(loss_value)
         times.append(dt)
-        comm.append(step_comm_bytes(engine))
-        wire.append(step_comm_bytes(engine, wire=True))
+        comm.append(measure.step_comm_bytes(engine))
+        wire.append(measure.step_comm_bytes(engine, wire=True))
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
         if step % args.eval_every == 0 or step == args.steps:
@@ -486,10 +367,24 @@ def train_one(
                 bar.write(f"[{run.name}] step {step}: train loss {loss_value:.4f}, val loss {v:.4f}")
     bar.close()
     crossed = link.stop()
+    swap1 = measure.swap_bytes(engine)
+    swapped = None if swap0 is None or swap1 is None else [b - a for a, b in zip(swap0, swap1, strict=True)]
     peak = peak_memory(cuda)
+    # what the plugins changed, after the training steps (one more step's micro-steps, not taken)
+    dtypes = measure.param_dtypes(engine)
+    probe = [train.next() for _ in range(args.grad_accum)]
+    grad_error = measure.gradient_error(engine, probe, world)
 
     # gather every rank's numbers once, at the end (no extra collectives inside the loop)
-    mine = {"loss": losses, "time": times, "comm": comm, "wire": wire, "peak": peak, "link": crossed}
+    mine = {
+        "loss": losses,
+        "time": times,
+        "comm": comm,
+        "wire": wire,
+        "peak": peak,
+        "link": crossed,
+        "swap": swapped,
+    }
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
     zero_cfg = config.get("zero_optimization", {})
@@ -515,19 +410,52 @@ def train_one(
         # per step, summed over ranks: bytes handed to the gradient collectives (what DeepSpeed
         # hands over, in the communication dtype) and bytes sent to other ranks (what an owner
         # of the collective such as loco really sends)
-        "comm_bytes": sum_over_ranks([g["comm"] for g in gathered], args.steps),
-        "wire_bytes": sum_over_ranks([g["wire"] for g in gathered], args.steps),
+        "comm_bytes": measure.sum_over_ranks([g["comm"] for g in gathered], args.steps),
+        "wire_bytes": measure.sum_over_ranks([g["wire"] for g in gathered], args.steps),
         # emulated nodes: bytes that crossed the link during the steps (and their evaluations)
         "link_bytes": None if crossed is None else sum(g["link"] for g in gathered),
         "wall_time_s": round(time.time() - t_run, 1),
+        # what the run's plugins changed: parameters by dtype (whole model), the dtype handed to
+        # the gradient collectives, the gradient's error after accumulation and reduction against
+        # fp64 (see measure.gradient_error), swap-file bytes per step summed over ranks
+        "param_dtypes": dtypes,
+        "comm_dtypes": measure.comm_dtypes(comm[-1] if comm else None),
+        "grad_error": grad_error,
+        "disk_bytes_per_step": None
+        if any(g["swap"] is None for g in gathered)
+        else {
+            "written": sum(g["swap"][0] for g in gathered) / args.steps,
+            "read": sum(g["swap"][1] for g in gathered) / args.steps,
+        },
     }
+    release(engine, config, rank)
+    del engine, model
+    gc.collect()
+    return result
+
+
+def release(engine: Any, config: dict[str, Any], rank: int) -> None:
+    """Let the run's engine go, so the next run in this process shares nothing with it:
+    ``engine.destroy()`` (DeepSpeed's hooks and buffers; zerohooks detaches first: the plugins
+    release their swap files and the folder's lock, buffers and threads, and every patch goes),
+    ``zerohooks.detach`` where the engine has no ``destroy``; then the run's swap folder goes."""
+    import torch.distributed as dist
 
     destroy = getattr(engine, "destroy", None)
     if callable(destroy):
         destroy()
-    del engine, model
-    gc.collect()
-    return result
+    try:
+        import zerohooks
+
+        if zerohooks.attachment(engine) is not None:
+            zerohooks.detach(engine)
+    except ImportError:
+        pass
+    folder = ((config.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("nvme_path")
+    if folder:
+        dist.barrier()  # every rank has closed its swap files
+        if rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 class _DropMessages(logging.Filter):
@@ -649,10 +577,18 @@ def worker(args: argparse.Namespace) -> int:
                 f"{corpus.root}",
                 flush=True,
             )
-        results: list[dict[str, Any]] = []
-        for spec in args.run_list:
+        # under our launcher: the runs of this launch, after those of earlier launches (the state)
+        state = os.environ.get("TRAIN_GPT_STATE")
+        results: list[dict[str, Any]] = json.loads(Path(state).read_text()) if state else []
+        specs = json.loads(os.environ.get("TRAIN_GPT_RUNS") or "null") or args.run_list
+        ctx["own_process"] = len(specs) == 1
+        meta["registered_runs"] = registered_runs()
+        meta["runs_requested"] = [run_registry.resolve(s, args.plugin_list).name for s in args.run_list]
+        meta["one_process_per_run"] = not args.same_process and state is not None
+        here = where(args, world, cuda)
+        for spec in specs:
             run = run_registry.resolve(spec, args.plugin_list)
-            reason = run.skip_reason()
+            reason = run.skip_reason(here)
             if reason:
                 if rank == 0:
                     print(f"[{run.name}] skipped: {reason}", flush=True)
@@ -664,7 +600,10 @@ def worker(args: argparse.Namespace) -> int:
             meta["wall_time_s"] = round(time.time() - t_start, 1)
             if rank == 0:  # after every run, so a later failure keeps the finished ones
                 folder = write_report(args.out, results, meta)
-        if rank == 0:
+                if state:
+                    Path(state).write_text(json.dumps(results))
+                    print(f"[{run.name}] done; report so far: {folder / 'report.md'}", flush=True)
+        if rank == 0 and not state:  # under our launcher, the launcher says it at the end
             report = (folder / "report.md").read_text().splitlines()
             table = [ln for ln in report if ln[:1] == "|" or ln[:3] == "## "]
             print("\n".join(table))
@@ -688,10 +627,10 @@ def main(argv: list[str] | None = None) -> int:
         argv = json.loads(os.environ["TRAIN_GPT_ARGV"]) if launched else sys.argv[1:]
     args = parse_args(argv)
     if args.list_runs:
-        list_runs()
+        list_runs(args)
         return 0
     if "RANK" not in os.environ:
-        return launch(args, argv)
+        return launch(args, argv, Path(__file__).resolve(), T_IMPORT)
     try:
         return worker(args)
     except KeyboardInterrupt:

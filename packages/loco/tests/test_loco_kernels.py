@@ -225,6 +225,65 @@ def test_special_values(native: None, device: str, use_kernels: bool) -> None:
     assert torch.equal(e32[2 * group : 3 * group].cpu(), g[2 * group : 3 * group].cpu())
 
 
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU])], ids=["cpu", "cuda-vec16"]
+)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("err", [None, "int8", "bf16", "fp32"])
+def test_vec16_kernels_are_bitwise_the_reference(
+    native: None, monkeypatch: pytest.MonkeyPatch, device: str, bits: int, err: str | None
+) -> None:
+    """The wide-access CUDA kernels (``LOCO_CUDA_VARIANT=vec16``, not the default) on inputs they
+    take (16-byte aligned gradients and outputs, rows whose byte lengths are multiples of 16, code
+    rows of multiples of 8 bytes), every group size, partial last groups and short outputs; on
+    CPU the same cases check the CPU kernels."""
+    _on(device)
+    if device == "cuda":
+        monkeypatch.setenv("LOCO_CUDA_VARIANT", "vec16")
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    for group in (64, 128, 256, 512, 1024):
+        for dtype in ("fp32", "bf16", "fp16"):
+            # 3 rows: full groups, a partial last group (40 of G), the last row short by 24
+            row_len = 3 * group + 40
+            cpad = reference.padded_row_len(row_len, group)
+            n = 3 * row_len - 24
+            g = gradient_like(n, DTYPES[dtype], gen)
+            e2, s2 = error_like(err, 3 * cpad, group, gen)
+            e1, s1 = e2.to(device, copy=True), s2.to(device, copy=True)
+            q2, sc2 = torch.zeros(3, cpad * bits // 8, dtype=torch.uint8), torch.zeros(3, cpad // group)
+            q1, sc1 = q2.to(device, copy=True), sc2.to(device, copy=True)
+            torch.ops.loco.quantize_ef(g.to(device), e1, s1, 0.8, bits, group, row_len, q1, sc1)
+            reference.quantize_ef(g, e2, s2, 0.8, bits, group, row_len, q2, sc2)
+            case = f"seed={seed} quantize_ef dtype={dtype} bits={bits} err={err} G={group}"
+            assert _equal(q1.cpu(), q2) and _equal(sc1.cpu(), sc2), case
+            assert _equal(e1.cpu(), e2) and _equal(s1.cpu(), s2), case
+        for sources in (1, 3):
+            m = group * 8
+            q = torch.randint(0, 256, (sources, m * bits // 8), dtype=torch.uint8, generator=gen)
+            scale = torch.rand(sources, m // group, generator=gen)
+            e2, s2 = error_like(err, m, group, gen)
+            e1, s1 = e2.to(device, copy=True), s2.to(device, copy=True)
+            o2, os2 = torch.zeros(2, m * bits // 16, dtype=torch.uint8), torch.zeros(2, m // group // 2)
+            o1, os1 = o2.to(device, copy=True), os2.to(device, copy=True)
+            torch.ops.loco.dequant_reduce_requant(
+                q.to(device), scale.to(device), e1, s1, 0.3, bits, group, o1, os1
+            )
+            reference.dequant_reduce_requant(q, scale, e2, s2, 0.3, bits, group, o2, os2)
+            case = f"seed={seed} dequant_reduce_requant bits={bits} err={err} G={group} S={sources}"
+            assert _equal(o1.cpu(), o2) and _equal(os1.cpu(), os2), case
+            assert _equal(e1.cpu(), e2) and _equal(s1.cpu(), s2), case
+            if err is not None:
+                continue  # dequant_reduce has no error buffer: once is enough
+            for out_dtype in ("fp32", "bf16", "fp16"):
+                for count in (m, m - 5, 1):
+                    d1 = torch.empty(count, dtype=DTYPES[out_dtype], device=device)
+                    d2 = torch.empty(count, dtype=DTYPES[out_dtype])
+                    torch.ops.loco.dequant_reduce(q.to(device), scale.to(device), bits, group, 3.0, d1)
+                    reference.dequant_reduce(q, scale, bits, group, 3.0, d2)
+                    assert _equal(d1.cpu(), d2), f"seed={seed} dequant_reduce {out_dtype} G={group} n={count}"
+
+
 @pytest.mark.gpu
 @GPU
 def test_cuda_operators_refuse_tensors_on_another_device(native: None) -> None:

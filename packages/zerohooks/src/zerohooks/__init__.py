@@ -20,7 +20,7 @@ from zerohooks._compat import (
 check_deepspeed_version(_deepspeed.__version__)
 announce_deepspeed_op_builds()  # DeepSpeed's minutes-long JIT builds say so when they start
 
-from zerohooks import watchdog  # noqa: E402
+from zerohooks import exitguard, watchdog  # noqa: E402  (exitguard: gloo exits without std::terminate)
 from zerohooks.adapter import Attachment, attachment_of, detach, step_context  # noqa: E402
 from zerohooks.config import ENTRY_POINT_GROUP, KNOWN_PLUGINS, available_plugins  # noqa: E402
 from zerohooks.counters import CommCounters  # noqa: E402
@@ -84,6 +84,7 @@ __all__ = [
     "detach",
     "enable",
     "enabled",
+    "exitguard",
     "initialize",
     "next_loss_scale",
     "skip_deepspeed_compiles",

@@ -125,7 +125,19 @@ def set_collective_timeout(seconds: float | None) -> _TimeoutHandle:
 class _Heartbeat:
     """This process's heartbeat in the rendezvous store (one per process, a daemon thread)."""
 
-    __slots__ = ("count", "interval", "lock", "rank", "seq", "source", "stopped", "store", "thread", "where")
+    __slots__ = (
+        "count",
+        "describe",
+        "interval",
+        "lock",
+        "rank",
+        "seq",
+        "source",
+        "stopped",
+        "store",
+        "thread",
+        "where",
+    )
 
     def __init__(self, rank: int, store: Any, interval: float, source: Any) -> None:
         self.rank = rank
@@ -137,15 +149,22 @@ class _Heartbeat:
         self.where = "start-up"
         self.seq = 0
         self.count = 0
+        self.describe: Callable[[], str] | None = None
+        """More about where this rank is (the step watch's engine call and frames), or None."""
         self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._beat, name="zerohooks-heartbeat", daemon=True)
         self._publish()
         self.thread.start()
 
     def _publish(self) -> None:
+        more = ""
+        describe = self.describe
+        if describe is not None:
+            with contextlib.suppress(Exception):
+                more = describe()
         with self.lock:
             self.count += 1
-            value = f"{self.count}|{self.where}"
+            value = f"{self.count}|{self.where}{more}"
         # the store going away must never break training; the census says so
         with contextlib.suppress(Exception):
             self.store.set(f"{_KEY}{self.rank}", value)
@@ -174,8 +193,9 @@ _retired: list[_Heartbeat] = []
 _heart_lock = threading.Lock()
 
 
-def _store(store: Any) -> Any:
-    """A client of the rendezvous store ``store``, ``None`` if there is none we can reach."""
+def _store(store: Any, timeout: float = 5.0) -> Any:
+    """A client of the rendezvous store ``store`` (``timeout`` seconds per operation), ``None`` if
+    there is none we can reach."""
     base = store
     while hasattr(base, "underlying_store"):
         base = base.underlying_store
@@ -184,7 +204,9 @@ def _store(store: Any) -> Any:
         try:
             return dist.PrefixStore(
                 "zh",
-                dist.TCPStore(base.host, base.port, is_master=False, timeout=datetime.timedelta(seconds=5)),
+                dist.TCPStore(
+                    base.host, base.port, is_master=False, timeout=datetime.timedelta(seconds=timeout)
+                ),
             )
         except Exception:
             return None
@@ -216,6 +238,16 @@ def _heartbeat(timeout: float) -> _Heartbeat | None:
         return _heart
 
 
+_others: list[tuple[Callable[[], None], threading.Thread]] = []
+
+
+def join_at_exit(stop: Callable[[], None], thread: threading.Thread) -> None:
+    """Have :func:`_stop_heartbeat` stop and join another thread that talks to the store."""
+    with _heart_lock:
+        _others[:] = [(s, t) for s, t in _others if t.is_alive()]
+        _others.append((stop, thread))
+
+
 _STOP_WAIT = 6.0
 """Seconds :func:`_stop_heartbeat` waits for a beat in flight (the store client's own limit is 5 s)."""
 
@@ -231,14 +263,24 @@ def _stop_heartbeat() -> None:
     their last beat."""
     global _heart
     with _heart_lock:
+        current = _heart
         hearts = [h for h in (*_retired, _heart) if h is not None]
+        others = list(_others)
         _heart = None
         _retired.clear()
+        _others.clear()
     for heart in hearts:
         heart.stop()
+    for stop, _ in others:
+        stop()
     deadline = time.monotonic() + _STOP_WAIT  # the beats in flight end together: one wait for all
-    for heart in hearts:
-        heart.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    for thread in [h.thread for h in hearts] + [t for _, t in others]:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    if current is not None and not current.thread.is_alive():
+        # a last beat says this rank exited: peers still in a step do not take it for stalled
+        current.describe = None
+        current.where = "exited"
+        current._publish()
 
 
 atexit.register(_stop_heartbeat)

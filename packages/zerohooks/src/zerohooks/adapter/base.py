@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from zerohooks import stepwatch
 from zerohooks._compat import require_attr
 from zerohooks.counters import CommCounters
 from zerohooks.errors import ConfigError
@@ -157,6 +158,18 @@ class Attachment:
             )
 
     # -- engine-level patches (every stage) -------------------------------------------------------
+    def _make_destroy(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """``engine.destroy()`` detaches first: the plugins release what they hold (swap files
+        and their folder's lock, buffers, I/O threads) and every patch goes, including the
+        registration that would keep the engine alive, then DeepSpeed's own ``destroy`` runs."""
+
+        def destroy(*args: Any, **kwargs: Any) -> Any:
+            if self.attached or self._patches:
+                self.detach()
+            return original(*args, **kwargs)
+
+        return destroy
+
     def install_engine_patches(self) -> None:
         reg = self.registry
         ctx = self.step_ctx
@@ -187,6 +200,16 @@ class Attachment:
 
             return begin
 
+        def make_watched(what: str, original: Callable[..., Any]) -> Callable[..., Any]:
+            def watched(*args: Any, **kwargs: Any) -> Any:
+                with stepwatch.in_step(what):
+                    return original(*args, **kwargs)
+
+            return watched
+
+        def make_backward(original: Callable[..., Any]) -> Callable[..., Any]:
+            return make_watched("DeepSpeedEngine.backward", make_begin(original))
+
         def make_end(original: Callable[..., Any]) -> Callable[..., Any]:
             def end(*args: Any, **kwargs: Any) -> Any:
                 out = original(*args, **kwargs)
@@ -197,7 +220,8 @@ class Attachment:
 
         def make_engine_step(original: Callable[..., Any]) -> Callable[..., Any]:
             def step(*args: Any, **kwargs: Any) -> Any:
-                out = original(*args, **kwargs)
+                with stepwatch.in_step("DeepSpeedEngine.step"):
+                    out = original(*args, **kwargs)
                 ctx.end_engine_step()
                 return out
 
@@ -209,15 +233,20 @@ class Attachment:
         # engine.backward or at DeepSpeed's once-per-backward prologue (fired from the forward
         # output's hook), whichever comes first (beginning twice counts once), and ends after
         # DeepSpeed's epilogue, which runs the boundary reduction of ZeRO 0/1.
-        self.patch(engine, "backward", make_begin, "DeepSpeedEngine")
+        # the engine calls that run collectives are watched for a stalled peer (stepwatch)
+        self.patch(engine, "forward", lambda f: make_watched("DeepSpeedEngine.forward", f), "DeepSpeedEngine")
+        self.patch(engine, "backward", make_backward, "DeepSpeedEngine")
         self.patch(engine, "_backward_prologue", make_begin, "DeepSpeedEngine")
         self.patch(engine, "_backward_epilogue", make_end, "DeepSpeedEngine")
         self.patch(engine, "step", make_engine_step, "DeepSpeedEngine")
         require_attr(engine, "skipped_steps", "DeepSpeedEngine")
+        if callable(getattr(engine, "destroy", None)):
+            self.patch(engine, "destroy", self._make_destroy, "DeepSpeedEngine")
 
         from zerohooks.adapter.checkpoint import install_checkpoint_patches
 
         install_checkpoint_patches(self)
+        stepwatch.start()
 
     def register(self) -> None:
         _attachments[self.engine] = self

@@ -1,0 +1,405 @@
+"""Each plugin against its DeepSpeed equivalent, every run in its own process (true peak memory).
+
+    python benchmarks/bench_gpu_pairs.py                              # GPU: 152 M-param GPT, ZeRO 2, 3, 1
+    python benchmarks/bench_gpu_pairs.py --stages 3 --rounds 5 --deadline-s 1200
+    python benchmarks/bench_gpu_pairs.py --nvme                       # nvmeswap vs DeepSpeed NVMe offload
+    python benchmarks/bench_gpu_pairs.py --tiny --stages 2 --rounds 1 # CPU smoke: tiny model, few steps
+
+The pairs (runs from examples/runs.py, the demo's definitions, on a bf16 model unless said):
+
+=============  ===================  ==========================================================
+plugin run     its equivalent       what is compared
+=============  ===================  ==========================================================
+accumdtype     ds-accum-fp32        fp32 accumulation + reduction: DeepSpeed ``grad_accum_dtype``
+autocastzero   ds-autocast          fp32 parameters, bf16 autocast: DeepSpeed ``torch_autocast``
+mixedlayers    bf16                 LayerNorms + head in fp32 vs the whole model in bf16
+loco           bf16                 4-bit gradients with error feedback vs bf16 reduction
+nvmeswap       ds-nvme              (``--nvme``, ZeRO 3) optimizer state on disk; DeepSpeed's
+                                    needs libaio: where it is missing that is said and
+                                    nvmeswap is measured alone
+=============  ===================  ==========================================================
+
+One process per run (world size 1, NCCL on a GPU, gloo on CPU): DeepSpeed engines are not freed
+by ``del`` (see issue 25), so runs sharing a process share memory.  Runs are interleaved over
+rounds (the order rotates each round); a run's figure is the median step time of its timed steps
+(after warm-up), a pair's the median over rounds; the peak memory is the process's
+``torch.cuda.max_memory_allocated`` (peak RSS on CPU) over the whole run, engine build included.
+A deadline (``--deadline-s`` or ``--deadline-at``) stops starting runs so the JSON and markdown
+(``--out``) are always written; they are rewritten after every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PAIRS: tuple[tuple[str, str], ...] = (
+    ("accumdtype", "ds-accum-fp32"),
+    ("autocastzero", "ds-autocast"),
+    ("mixedlayers", "bf16"),
+    ("loco", "bf16"),
+)
+NVME_PAIR = ("nvmeswap", "ds-nvme")
+GPU_MODEL = {"layers": 12, "d_model": 1024, "heads": 16, "seq_len": 512, "micro_batch": 8}
+TINY_MODEL = {"layers": 2, "d_model": 64, "heads": 2, "seq_len": 32, "micro_batch": 2}
+RESULT_TAG = "BENCH_GPU_PAIRS_RESULT "
+
+
+# ------------------------------------------------------------------------------------ one run
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    """Train one run in this process; the result dict (printed on one tagged line)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import torch
+
+    cuda = torch.cuda.is_available() and not args.tiny_cpu
+    if not cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    import deepspeed
+    import runs as registry
+    from gpt import GPT, GPTConfig
+
+    import zerohooks
+
+    zerohooks.skip_deepspeed_compiles()
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    m = json.loads(args.model)
+    base: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": m["micro_batch"],
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": m["micro_batch"],
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.1, "torch_adam": True},
+        },
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": args.stage},
+        "bf16": {"enabled": True},
+        "steps_per_print": 10**9,
+    }
+    run = registry.resolve(args.child)
+    config = run.config(base)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=m["seq_len"], n_layer=m["layers"], n_head=m["heads"], d_model=m["d_model"]))
+    n_params = model.num_parameters()
+    t0 = time.perf_counter()
+    engine, _, _, _ = zerohooks.initialize(model=model, model_parameters=model.parameters(), config=config)
+    build_s = time.perf_counter() - t0
+    device = engine.device
+    gen = torch.Generator().manual_seed(1)
+    times, losses = [], []
+    for _ in range(args.warmup + args.steps):
+        x = torch.randint(0, 256, (m["micro_batch"], m["seq_len"] + 1), generator=gen)
+        x = x.to(device)
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        loss = engine(x[:, :-1], x[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach().float().item()))
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    timed = times[args.warmup :]
+    if cuda:
+        peak, kind = int(torch.cuda.max_memory_allocated()), "torch.cuda.max_memory_allocated"
+    else:
+        peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak RSS"
+    return {
+        "run": args.child,
+        "stage": args.stage,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "n_params": n_params,
+        "engine_build_s": round(build_s, 3),
+        "step_ms": 1e3 * statistics.median(timed),
+        "step_ms_all": [round(1e3 * t, 3) for t in times],
+        "final_loss": losses[-1],
+        "peak_memory_bytes": peak,
+        "memory_kind": kind,
+    }
+
+
+# ------------------------------------------------------------------------------ the schedule
+def remove_new_locks(since: float) -> list[str]:
+    """Remove the JIT build locks made since ``since`` under TORCH_EXTENSIONS_DIR: a build killed
+    midway leaves its ``lock`` file behind, and every later load of that extension waits on it."""
+    folder = os.environ.get("TORCH_EXTENSIONS_DIR")
+    removed = []
+    for lock in Path(folder).rglob("lock") if folder and Path(folder).is_dir() else []:
+        try:
+            if lock.stat().st_mtime >= since - 1:
+                lock.unlink()
+                removed.append(str(lock))
+        except OSError:
+            pass
+    return removed
+
+
+def kill_group(proc: subprocess.Popen[Any], since: float) -> None:
+    """Stop ``proc``'s process group (TERM, then KILL after 10 s) and remove the JIT build locks
+    made since ``since``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=10)
+            break
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            continue
+    remove_new_locks(since)
+
+
+def run_group(
+    cmd: list[str], timeout: float, env: dict[str, str] | None = None, log: Path | None = None
+) -> tuple[int | None, str]:
+    """Run ``cmd`` in its own process group for at most ``timeout`` seconds: (exit status, output),
+    the status None when it was cut, then the whole group (compilers included) is killed and the
+    build locks it made are removed.  Output goes to ``log`` when given (and is read back)."""
+    t0 = time.time()
+    with open(log, "w+") if log else tempfile.TemporaryFile("w+") as f:
+        proc = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True
+        )
+        try:
+            rc: int | None = proc.wait(timeout=max(timeout, 0.1))
+        except subprocess.TimeoutExpired:
+            rc = None
+            kill_group(proc, t0)
+        f.seek(0)
+        return rc, f.read()
+
+
+def _libaio_reason() -> str | None:
+    """Why DeepSpeed's NVMe offload cannot run here (its async_io op needs libaio), else None."""
+    code = (
+        "import os; os.environ.setdefault('DS_ACCELERATOR', 'cpu') if not __import__('torch').cuda.is_available()"
+        " else None\nfrom deepspeed.ops.op_builder import AsyncIOBuilder\n"
+        "print('OK' if AsyncIOBuilder().is_compatible(verbose=False) else 'NO')"
+    )
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return "could not check DeepSpeed's async_io op (the check took over 120 s)"
+    if out.stdout.strip().endswith("OK"):
+        return None
+    return (
+        "DeepSpeed's async_io op is not compatible here (libaio missing: apt install libaio-dev); "
+        "DeepSpeed's NVMe offload cannot run, nvmeswap is measured alone"
+    )
+
+
+def _jobs(args: argparse.Namespace) -> list[tuple[int, str]]:
+    stages = [int(s) for s in args.stages.split(",") if s]
+    if args.nvme:
+        return [(3, r) for r in NVME_PAIR]
+    jobs: list[tuple[int, str]] = []
+    for s in stages:
+        for pair in PAIRS:
+            jobs += [(s, r) for r in pair if (s, r) not in jobs]
+    return jobs
+
+
+def summarize(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """Per stage and pair: median step time of each side over rounds, the ratio, peak memory."""
+    by: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for r in results:
+        if r.get("status") == "ok":
+            by.setdefault((r["stage"], r["run"]), []).append(r)
+    rows = []
+    pairs = [NVME_PAIR] if args.nvme else list(PAIRS)
+    for s in sorted({st for st, _ in _jobs(args)}):
+        for plugin, base in pairs:
+            p, b = by.get((s, plugin), []), by.get((s, base), [])
+            row: dict[str, Any] = {
+                "stage": s,
+                "plugin": plugin,
+                "equivalent": base,
+                "rounds": [len(p), len(b)],
+            }
+            for key, side in (("plugin", p), ("equivalent", b)):
+                if side:
+                    row[f"{key}_step_ms"] = statistics.median(x["step_ms"] for x in side)
+                    row[f"{key}_peak_bytes"] = max(x["peak_memory_bytes"] for x in side)
+            if p and b:
+                row["step_ratio"] = row["plugin_step_ms"] / row["equivalent_step_ms"]
+                row["peak_ratio"] = row["plugin_peak_bytes"] / row["equivalent_peak_bytes"]
+            rows.append(row)
+    return {"pairs": rows}
+
+
+def markdown(data: dict[str, Any]) -> str:
+    lines = [
+        f"Model: {data.get('n_params', '?')} parameters, {data['model']}; device {data.get('device', '?')}; "
+        f"rounds completed {data['rounds_done']} of {data['rounds']}; {data['steps']} timed steps after "
+        f"{data['warmup']} warm-up per run; each run in its own process.",
+        "",
+        "| ZeRO | plugin | equivalent | plugin step (ms) | equivalent step (ms) | step ratio "
+        "| plugin peak (GiB) | equivalent peak (GiB) | rounds |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(row: dict[str, Any], key: str, scale: float = 1.0, fmt: str = "{:.1f}") -> str:
+        return fmt.format(row[key] / scale) if key in row else "-"
+
+    for row in data["summary"]["pairs"]:
+        lines.append(
+            f"| {row['stage']} | {row['plugin']} | {row['equivalent']} | {f(row, 'plugin_step_ms')} "
+            f"| {f(row, 'equivalent_step_ms')} | {f(row, 'step_ratio', fmt='{:.3f}x')} "
+            f"| {f(row, 'plugin_peak_bytes', 2**30, '{:.2f}')} | {f(row, 'equivalent_peak_bytes', 2**30, '{:.2f}')} "
+            f"| {row['rounds'][0]}/{row['rounds'][1]} |"
+        )
+    if any(r["plugin"] == "loco" for r in data["summary"]["pairs"]):
+        data.setdefault("notes", [])
+        note = (
+            "world size 1: loco has nothing to send and takes its exact path (no quantization); "
+            "its kernels are timed in the loco-kernels section"
+        )
+        if note not in data["notes"]:
+            data["notes"].append(note)
+    for note in data.get("notes", []):
+        lines += ["", f"- {note}"]
+    failed = [r for r in data["results"] if r.get("status") != "ok"]
+    for r in failed:
+        lines.append(f"- ZeRO {r['stage']} {r['run']}: {r['status']}: {r.get('error', '')[-300:]}")
+    return "\n".join(lines) + "\n"
+
+
+def parent(args: argparse.Namespace) -> dict[str, Any]:
+    deadline = args.deadline_at or (time.time() + args.deadline_s)
+    model = TINY_MODEL if args.tiny else GPU_MODEL
+    data: dict[str, Any] = {
+        "model": model,
+        "rounds": args.rounds,
+        "rounds_done": 0,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "results": [],
+        "notes": [],
+        "summary": {"pairs": []},
+    }
+    jobs = _jobs(args)
+    skip: dict[str, str] = {}
+    if args.nvme:
+        reason = args.skip_ds_nvme or _libaio_reason()
+        if reason:
+            skip["ds-nvme"] = reason
+            data["notes"].append(reason)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # the runs' temporary folder: the NVMe runs' swap files (O_DIRECT: not on a tmpfs)
+    scratch = Path(tempfile.mkdtemp(prefix="bench_gpu_pairs-", dir=args.scratch))
+
+    def save() -> None:
+        data["summary"] = summarize(data["results"], args)
+        out.write_text(json.dumps(data, indent=1))
+        out.with_suffix(".md").write_text(markdown(data))
+
+    save()
+    longest = 0.0
+    for rnd in range(args.rounds):
+        order = jobs[rnd % len(jobs) :] + jobs[: rnd % len(jobs)]
+        for stage, name in order:
+            if name in skip:
+                if rnd == 0:
+                    data["results"].append(
+                        {"stage": stage, "run": name, "status": "skipped", "error": skip[name]}
+                    )
+                continue
+            left = deadline - time.time()
+            if left < max(longest, 5.0):
+                data["notes"].append(
+                    f"deadline: stopped in round {rnd + 1} with {left:.0f} s left (a run took up to {longest:.0f} s)"
+                )
+                save()
+                return data
+            cmd = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--child",
+                name,
+                "--stage",
+                str(stage),
+                "--model",
+                json.dumps(model),
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+            ] + (["--tiny-cpu"] if args.tiny and args.cpu else [])
+            env = dict(os.environ, TMPDIR=str(scratch), MASTER_PORT=str(_free_port()))
+            t0 = time.time()
+            rec: dict[str, Any] = {"stage": stage, "run": name, "round": rnd}
+            rc, text = run_group(cmd, min(args.run_timeout, left), env)
+            line = next((x for x in text.splitlines() if x.startswith(RESULT_TAG)), None)
+            if rc == 0 and line:
+                rec.update(json.loads(line[len(RESULT_TAG) :]), status="ok")
+                data.setdefault("n_params", rec["n_params"])
+                data.setdefault("device", rec["device"])
+            elif rc is None:
+                rec.update(status=f"timed out after {time.time() - t0:.0f} s", error=text[-2000:])
+            else:
+                rec.update(status=f"failed (exit {rc})", error=text[-2000:])
+            rec["wall_s"] = round(time.time() - t0, 1)
+            longest = max(longest, rec["wall_s"])
+            data["results"].append(rec)
+            save()
+            print(
+                f"[round {rnd + 1}] ZeRO {stage} {name}: {rec['status']} {rec.get('step_ms', 0):.1f} ms",
+                flush=True,
+            )
+        data["rounds_done"] = rnd + 1
+        save()
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--stages", default="2,3,1", help="ZeRO stages, in the order measured")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--nvme", action="store_true", help="nvmeswap vs DeepSpeed's NVMe offload (ZeRO 3)")
+    p.add_argument(
+        "--scratch", default=None, help="folder for the runs' files, swap files included (default: TMPDIR)"
+    )
+    p.add_argument("--skip-ds-nvme", default=None, help="with --nvme: skip DeepSpeed's run, for this reason")
+    p.add_argument("--tiny", action="store_true", help="a tiny model (smoke check)")
+    p.add_argument("--cpu", action="store_true", help="run on CPU even where a GPU is visible")
+    p.add_argument("--deadline-s", type=float, default=600.0, help="stop starting runs after this")
+    p.add_argument("--deadline-at", type=float, default=None, help="the same as a Unix time")
+    p.add_argument("--run-timeout", type=float, default=240.0, help="longest one run may take")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "gpu_pairs.json"))
+    p.add_argument("--child", default=None, help="internal: run this one run in this process")
+    p.add_argument("--stage", type=int, default=2, help="internal (--child)")
+    p.add_argument("--model", default=json.dumps(GPU_MODEL), help="internal (--child)")
+    p.add_argument("--tiny-cpu", action="store_true", help="internal (--child)")
+    args = p.parse_args(argv)
+    if args.child:
+        print(RESULT_TAG + json.dumps(child(args)), flush=True)
+        return 0
+    data = parent(args)
+    print(markdown(data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

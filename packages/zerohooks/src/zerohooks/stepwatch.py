@@ -1,0 +1,314 @@
+"""A rank stalled anywhere in a training step, DeepSpeed's own collectives included, is reported
+within the collective limit, and the surviving ranks raise instead of waiting.
+
+How
+    The adapter marks each engine call that runs collectives (``forward``, ``backward``,
+    ``step``) with :func:`in_step`: two attribute writes, no collective.  While one is in
+    progress, a thread of this process (one per process, ``zerohooks-stepwatch``) reads the
+    peers' heartbeats (:mod:`zerohooks.watchdog`, one store round trip every heartbeat interval).
+    A peer whose heartbeat did not move for the whole limit (``ZEROHOOKS_COLLECTIVE_TIMEOUT``),
+    counted only from this thread's own regular looks (a machine or job that was suspended as a
+    whole is not a stalled peer), is stopped, frozen or dead.  Then this rank:
+
+    1. prints the report (the rank, how long it has been silent, where it was when last heard:
+       the engine call and the innermost frames of its main thread) and puts it in the store;
+    2. shuts down its gloo connections (``shutdown(2)`` on the TCP sockets of its gloo process
+       groups, found from the listening ports every rank published at start): the collective the
+       main thread waits in fails at once, and the engine call raises
+       :class:`~zerohooks.errors.CollectiveTimeoutError` with the report.  Other ranks that lose
+       their connection to this one raise the same error, read from the store;
+    3. if the main thread is still in that engine call after a grace period (a wait that closed
+       connections cannot end), prints the report again and ends the process with
+       :data:`STALL_EXIT_CODE`.
+
+    ``ProcessGroupGloo.abort()`` and ``shutdown()`` (torch 2.13) return without ending a
+    collective in flight, and a Python exception cannot reach a thread blocked in C++: hence the
+    sockets.
+
+Patient waits stay patient: a rank that is alive (building a kernel, writing a checkpoint,
+loading data) keeps its heartbeat moving, however long it takes; only silence counts.  A process
+that exits cleanly says so in its heartbeat.  gloo only; off with the watchdog
+(``ZEROHOOKS_COLLECTIVE_TIMEOUT=off``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+
+from zerohooks import watchdog
+from zerohooks.errors import CollectiveTimeoutError
+
+__all__ = ["STALL_EXIT_CODE", "in_step", "start", "where_main_thread_is"]
+
+STALL_EXIT_CODE = 75
+"""Exit code of a rank that found a stalled peer and whose main thread could not be freed."""
+
+_VERDICT = "zerohooks/stall-report"
+_LISTEN = "zerohooks/listen/"
+_OURS = os.path.dirname(os.path.abspath(__file__)).replace(os.sep, "/") + "/"
+_SKIP = ("/torch/distributed/", "/deepspeed/comm/", "/contextlib.py")
+
+
+def where_main_thread_is(depth: int = 3) -> str:
+    """The innermost frames of the main thread, outside torch.distributed and DeepSpeed's comm
+    wrappers (``get_grad_norm_direct (stage_1_and_2.py:1890) < step (...)``)."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    parts: list[str] = []
+    innermost = ""
+    while frame is not None and len(parts) < depth:
+        code = frame.f_code
+        path = code.co_filename.replace(os.sep, "/")
+        if not innermost:
+            innermost = code.co_name
+        if not path.startswith(_OURS) and not any(s in path for s in _SKIP):
+            parts.append(f"{code.co_name} ({'/'.join(path.split('/')[-2:])}:{frame.f_lineno})")
+        frame = frame.f_back
+    return (
+        f"{innermost} < " if innermost and parts and not parts[0].startswith(innermost) else ""
+    ) + " < ".join(parts)
+
+
+class _Watch:
+    """This process's step watch: the phase the main thread is in, and the thread watching peers."""
+
+    def __init__(self, heart: Any, limit: float) -> None:
+        self.heart = heart
+        self.limit = limit
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.phase = ""
+        self.depth = 0
+        self.entered = 0.0
+        self.verdict: str | None = None
+        self.stopped = threading.Event()
+        self.store = heart.store
+        with contextlib.suppress(Exception):
+            self.store.set(f"{_LISTEN}{self.rank}", ",".join(map(str, sorted(_listening()))))
+        heart.describe = self.describe
+        self.thread = threading.Thread(target=self._run, name="zerohooks-stepwatch", daemon=True)
+        self.thread.start()
+
+    def describe(self) -> str:
+        """Where this rank is, for its heartbeat (read on the heartbeat thread)."""
+        if not self.depth:
+            return ""
+        return f"; in {self.phase} for {time.monotonic() - self.entered:.0f} s, at {where_main_thread_is()}"
+
+    # -- the watching thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        interval = self.heart.interval
+        peers = [r for r in range(self.world) if r != self.rank]
+        keys = [f"{watchdog._KEY}{r}" for r in peers]
+        last: dict[int, str | None] = {}
+        silent = dict.fromkeys(peers, 0.0)
+        store_silent = 0.0
+        tick = time.monotonic()
+        while not self.stopped.wait(interval):
+            now = time.monotonic()
+            dt, tick = min(now - tick, 2 * interval), now  # a late look (this process starved) counts as two
+            if not self.depth or self.verdict is not None:
+                continue
+            try:
+                values = [v.decode() for v in self.store.multi_get(keys)] if self.store.check(keys) else None
+                store_silent = 0.0
+            except Exception:
+                values, store_silent = None, store_silent + dt
+            if values is not None:
+                for r, v in zip(peers, values, strict=True):
+                    moved = last.get(r) != v or v.partition("|")[2].startswith("exited")
+                    silent[r] = 0.0 if moved else silent[r] + dt
+                    last[r] = v
+            stalled = [r for r in peers if silent[r] >= self.limit]
+            if self.heart.where.startswith("in "):
+                continue  # inside a zerohooks collective: its own bounded wait names the rank
+            if stalled or store_silent >= self.limit:
+                self._fail(stalled, last, store_silent)
+
+    def _fail(self, stalled: list[int], last: dict[int, str | None], store_silent: float) -> None:
+        if stalled:
+            said = "; ".join(
+                f"rank {r} was last heard {(last.get(r) or '|?').partition('|')[2] or 'at start-up'}"
+                for r in stalled
+            )
+            head = (
+                f"Not responding: rank(s) {stalled} (no heartbeat for {self.limit:g} s: the process is stopped, "
+                f"frozen or dead; look at its log and its node). {said}."
+            )
+        else:
+            head = (
+                f"The rendezvous store has not answered for {store_silent:.0f} s: the process that hosts it (rank 0, "
+                "or the launcher's agent) is stopped, frozen or dead."
+            )
+        report = (
+            f"rank {self.rank}: a rank stalled during {self.phase} ({time.monotonic() - self.entered:.1f} s in it). "
+            f"{head} This rank stops: its gloo connections are shut down. Set {watchdog.ENV} (seconds, or off) "
+            "to change the limit."
+        )
+        self.verdict = report
+        print(f"[zerohooks] {report}", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            self.store.set(_VERDICT, report)
+        _break_gloo_connections(self.store, self.world)
+        entered = self.entered
+        if (
+            not self.stopped.wait(max(5.0, min(60.0, 2 * self.limit)))
+            and self.depth
+            and self.entered == entered
+        ):
+            print(
+                f"[zerohooks] rank {self.rank}: still blocked in {self.phase} after its connections were shut "
+                f"down; exiting with code {STALL_EXIT_CODE}. {report}",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(STALL_EXIT_CODE)
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+def _heard(value: str | None) -> str:
+    """Where a heartbeat value says its rank was."""
+    where = (value or "").partition("|")[2]
+    return where.removeprefix("start-up; ").removeprefix("outside zerohooks collectives; ") or "at start-up"
+
+
+def _sockets() -> dict[int, int]:
+    """socket inode -> fd of this process."""
+    found: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                m = re.fullmatch(r"socket:\[(\d+)\]", os.readlink(f"/proc/self/fd/{fd}"))
+                if m:
+                    found[int(m.group(1))] = int(fd)
+    return found
+
+
+def _tcp(mine: dict[int, int]) -> list[tuple[int, int, str, int]]:
+    """(local port, remote port, state, fd) of this process's TCP sockets."""
+    rows = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                col = line.split()
+                if len(col) > 9 and int(col[9]) in mine:
+                    local, remote = int(col[1].rsplit(":", 1)[1], 16), int(col[2].rsplit(":", 1)[1], 16)
+                    rows.append((local, remote, col[3], mine[int(col[9])]))
+    return rows
+
+
+def _store_port() -> int:
+    with contextlib.suppress(Exception):
+        base = dist.distributed_c10d._get_default_store()
+        while hasattr(base, "underlying_store"):
+            base = base.underlying_store
+        port: Any = getattr(base, "port", None) or os.environ.get("MASTER_PORT", 0)
+        return int(port)
+    return int(os.environ.get("MASTER_PORT", "0") or 0)
+
+
+def _listening() -> set[int]:
+    """This process's listening TCP ports other than the store's: its gloo groups' listeners."""
+    return {local for local, _, state, _ in _tcp(_sockets()) if state == "0A"} - {_store_port()}
+
+
+def _break_gloo_connections(store: Any, world: int) -> int:
+    """Shut down (not close: the fds stay gloo's) this process's gloo TCP connections."""
+    ours = _listening()
+    theirs: set[int] = set()
+    for r in range(world):
+        with contextlib.suppress(Exception):
+            theirs |= {int(p) for p in store.get(f"{_LISTEN}{r}").decode().split(",") if p}
+    store_port = _store_port()
+    done = 0
+    for local, remote, state, fd in _tcp(_sockets()):
+        if state != "01" or store_port in (local, remote):
+            continue
+        if local in ours or remote in theirs:
+            with contextlib.suppress(OSError):
+                s = socket.socket(fileno=fd)
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                    done += 1
+                finally:
+                    s.detach()
+    return done
+
+
+_watch: _Watch | None = None
+_lock = threading.Lock()
+
+
+def start() -> None:
+    """Start this process's step watch (once), if the watchdog is on and the default group is gloo
+    with more than one rank.  Called by the adapter when it attaches to an engine."""
+    global _watch
+    limit = watchdog.collective_timeout()
+    if limit is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    if dist.get_backend() != "gloo":
+        return
+    heart = watchdog._heartbeat(limit)
+    if heart is None:
+        return
+    with _lock:
+        if _watch is not None and _watch.heart is heart and _watch.limit == limit:
+            return
+        if _watch is not None:
+            _watch.stop()  # a new process group or limit: watch afresh (exit joins the old thread)
+        w = _Watch(heart, limit)
+        # a short store timeout for the watching thread's own client: a frozen store host must
+        # not hold a look for longer than the limit
+        with contextlib.suppress(Exception):
+            w.store = watchdog._store(
+                dist.distributed_c10d._get_default_store(), timeout=min(5.0, max(1.0, limit / 3))
+            )
+        _watch = w
+        watchdog.join_at_exit(w.stop, w.thread)
+
+
+def _report_from_store() -> str | None:
+    w = _watch
+    if w is None:
+        return None
+    if w.verdict is not None:
+        return w.verdict
+    with contextlib.suppress(Exception):
+        if w.store.check([_VERDICT]):
+            return str(w.store.get(_VERDICT).decode())
+    return None
+
+
+@contextlib.contextmanager
+def in_step(what: str) -> Iterator[None]:
+    """Mark an engine call that runs collectives; a stalled peer found meanwhile turns the
+    failure of its collective into :class:`~zerohooks.errors.CollectiveTimeoutError`."""
+    w = _watch
+    if w is None:
+        yield
+        return
+    if w.depth == 0:
+        w.phase, w.entered = what, time.monotonic()
+    w.depth += 1
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, CollectiveTimeoutError):
+            raise
+        report = _report_from_store()
+        if report is None:
+            raise
+        raise CollectiveTimeoutError(report) from e
+    finally:
+        w.depth -= 1

@@ -1,0 +1,129 @@
+"""Driver for the stalled-rank trials: ``python stall_trials.py STAGES TRIALS LIMIT SEED [PARALLEL]``.
+
+Imports torch, DeepSpeed and zerohooks once, then forks each trial's two ranks from that state
+(fast: no import per trial).  The ranks build a zerohooks engine (no plugin: only DeepSpeed's own
+collectives run) and train in a loop; at a random moment the driver stops rank 1 with SIGSTOP
+and waits for rank 0 to raise.  Prints one JSON line per trial: stage, the delay before the
+stop, seconds from the stop to rank 0's error, its type and message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+
+import deepspeed
+import torch
+
+import zerohooks
+from zerohooks import watchdog
+from zerohooks._compat import skip_deepspeed_shm_op
+from zerohooks.errors import CollectiveTimeoutError
+from zerohooks.testing.toy import ds_config, make_model, train
+
+
+def _rank(rank: int, port: int, stage: int, limit: float, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2"
+    )
+    code = 0
+    try:
+        torch.set_num_threads(1)
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        watchdog.set_collective_timeout(limit)
+        model = make_model()
+        cfg = ds_config(stage, gas=1, gradient_clipping=1.0)  # clipping: ZeRO 1/2's grad-norm all-reduce
+        engine, *_ = zerohooks.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        with open(f"{out}.ready{rank}", "w"):
+            pass
+        step = 0
+        try:
+            while True:
+                train(engine, 1, 1, first=step)
+                step += 1
+        except CollectiveTimeoutError as e:
+            result = {"error": "CollectiveTimeoutError", "message": str(e)}
+        except Exception as e:
+            result = {"error": type(e).__name__, "message": str(e)[:2000]}
+        result["t"] = time.monotonic()
+        result["steps"] = step
+    except BaseException:
+        result = {"error": "setup", "message": traceback.format_exc()[-3000:], "t": time.monotonic()}
+        code = 1
+    with open(f"{out}.tmp{rank}", "w") as f:
+        json.dump(result, f)
+    os.replace(f"{out}.tmp{rank}", f"{out}.result{rank}")
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_for(path: str, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def trial(stage: int, limit: float, rng: random.Random, tmp: str, n: int) -> dict[str, object]:
+    out = os.path.join(tmp, f"trial{n}")
+    port = _port()
+    pids = []
+    for rank in range(2):
+        pid = os.fork()
+        if pid == 0:
+            _rank(rank, port, stage, limit, out)
+        pids.append(pid)
+    try:
+        ready = all(_wait_for(f"{out}.ready{r}", 300) for r in range(2))
+        delay = rng.uniform(0.0, 1.5)
+        time.sleep(delay)
+        stopped_at = time.monotonic()
+        if ready:
+            os.kill(pids[1], signal.SIGSTOP)
+        got = _wait_for(f"{out}.result0", limit + 60)
+        result: dict[str, object] = {"stage": stage, "delay": round(delay, 2), "ready": ready}
+        if got:
+            with open(f"{out}.result0") as f:
+                r0 = json.load(f)
+            result.update(
+                error=r0["error"],
+                message=r0["message"],
+                detected_after=round(r0["t"] - stopped_at, 2),
+                steps=r0.get("steps"),
+            )
+        else:
+            result.update(error="none within limit + 60 s")
+        return result
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
+def main() -> None:
+    stages = [int(s) for s in sys.argv[1].split(",")]
+    trials, limit, seed = int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+    rng = random.Random(seed)
+    skip_deepspeed_shm_op()  # as the test harness does: no op build in each rank
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in range(trials):
+            print(json.dumps(trial(stages[n % len(stages)], limit, rng, tmp, n)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
