@@ -136,9 +136,9 @@ def _find_links() -> list[str]:
     return [v for v in value.split(os.pathsep) if v]
 
 
-def _pin_args() -> list[str]:
+def _pin_args(constraints: Path | None = None) -> list[str]:
     args: list[str] = []
-    constraints = _constraints()
+    constraints = constraints or _constraints()
     if constraints is not None:
         args += ["-c", str(constraints)]
     for folder in _find_links():
@@ -169,8 +169,11 @@ def _prepare(session: nox.Session) -> None:
     session.env["DS_BUILD_OPS"] = "0"  # DeepSpeed builds its ops just in time, never at install
 
 
-def _install(session: nox.Session, *args: str, local: Iterable[Package] = ()) -> None:
-    """session.install with the pins; `local` packages are (re)installed editable from the tree."""
+def _install(
+    session: nox.Session, *args: str, local: Iterable[Package] = (), constraints: Path | None = None
+) -> None:
+    """session.install with the pins (`constraints` replaces constraints.txt); `local` packages
+    are (re)installed editable from the tree."""
     local = list(local)
     extra: list[str] = []
     for pkg in local:
@@ -179,7 +182,7 @@ def _install(session: nox.Session, *args: str, local: Iterable[Package] = ()) ->
         if session.venv_backend == "uv":  # uv does not reinstall local packages on its own
             extra += ["--reinstall-package", pkg.dist]
     start = time.perf_counter()
-    session.install(*_pin_args(), *extra, *args, env={"DS_BUILD_OPS": "0"})
+    session.install(*_pin_args(constraints), *extra, *args, env={"DS_BUILD_OPS": "0"})
     session.log(f"install took {time.perf_counter() - start:.1f} s")
 
 
@@ -384,6 +387,52 @@ def integration(session: nox.Session) -> None:
     _check_install(session, PACKAGES, isolated=False)
     _use_jit_dir(session)
     _pytest(session, INTEGRATION_DIR)
+
+
+DEEPSPEED_RANGE = ("0.19.8",)
+"""The oldest and newest DeepSpeed releases zerohooks claims (zerohooks._compat.SUPPORTED_DEEPSPEED):
+0.19.8 only today; 0.19.0-0.19.7 lack DeepSpeed internals the adapter or plugins use
+(zerohooks/tests/test_surface.py names them). Add a release here when the claim widens."""
+RANGE_TESTS = (
+    "packages/zerohooks/tests/test_surface.py",  # every DeepSpeed name we touch exists
+    "packages/zerohooks/tests/test_bit_identity.py",  # no plugin: bit for bit DeepSpeed
+    "tests/integration/test_autocastzero_loco.py",  # plugin smoke: autocastzero + loco training
+    "tests/integration/test_mixedlayers_compose.py",  # mixedlayers (+ accumdtype, autocastzero)
+    "tests/integration/test_nvmeswap_compose.py",  # nvmeswap's swap path
+)
+"""What ``deepspeed_range`` runs on each release (posargs replace it)."""
+
+
+@nox.session(tags=["range"])
+@nox.parametrize("deepspeed", DEEPSPEED_RANGE)
+def deepspeed_range(session: nox.Session, deepspeed: str) -> None:
+    """The DeepSpeed surface test, the bit-identity tests and the plugin smoke tests on the oldest
+    and newest supported DeepSpeed (``nox -s deepspeed_range``; not in the default run: about 5
+    minutes per release on 2 cores, two more venvs).  torch stays pinned by constraints.txt; only
+    the deepspeed pin is replaced."""
+    _prepare(session)
+    pins = _constraints()
+    derived = None
+    if pins is not None:
+        lines = [
+            ln for ln in pins.read_text(encoding="utf-8").splitlines() if not ln.startswith("deepspeed==")
+        ]
+        derived = Path(session.create_tmp()) / "constraints-deepspeed.txt"
+        derived.write_text("\n".join([*lines, f"deepspeed=={deepspeed}", ""]), encoding="utf-8")
+        for var in ("PIP_CONSTRAINT", "PIP_BUILD_CONSTRAINT", "UV_CONSTRAINT", "UV_BUILD_CONSTRAINT"):
+            session.env[var] = str(derived)
+    args = [_dev_requirement("pytest"), _dev_requirement("pytest-timeout"), f"deepspeed=={deepspeed}"]
+    if (INTEGRATION_DIR / "requirements.txt").is_file():
+        args += ["-r", str(INTEGRATION_DIR / "requirements.txt")]
+    _install(session, *args, local=PACKAGES, constraints=derived)
+    _check_install(session, PACKAGES, isolated=False)
+    session.run(
+        "python",
+        "-c",
+        f"import deepspeed; assert deepspeed.__version__ == {deepspeed!r}, deepspeed.__version__",
+    )
+    _use_jit_dir(session)
+    session.run("pytest", *(session.posargs or RANGE_TESTS))
 
 
 @nox.session(tags=["tests"])

@@ -186,10 +186,9 @@ def main(argv: list[str] | None = None) -> int:
             med = sorted(ts)[len(ts) // 2]
             shown = ", ".join(f"{t:.3f}" for t in ts)
             lines.append(f"| {way} | {local} | {floor:.3f} | {shown} | {med / floor:.2f}x |")
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "bench_link_exchange.json").write_text(json.dumps(res, indent=1))
-    (OUT / "bench_link_exchange.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    from _report import write_report  # this folder (run as a script)
+
+    write_report(OUT, "bench_link_exchange", res, "\n".join(lines))
     return 0
 
 

@@ -697,9 +697,9 @@ def plot(res: dict[str, Any], path: Path) -> None:
             ax.set_ylabel(f"train loss (10-step mean, mean of {len(res[key][0]['seeds'])} seeds)")
             ax.set_title("convergence, demo GPT, 2 ranks, ZeRO 2")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    from _report import save_figure  # this folder (run as a script)
+
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -761,19 +761,12 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": round(time.time() - t0),
         }
         print(f"{key} done ({time.time() - t0:.0f} s)", flush=True)
-    OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / "bench_loco.json"
     if args.keep and path.exists():  # read now, not at the start: another --keep run may have written since
         _keep_older(res, json.loads(path.read_text()))
-    path.write_text(json.dumps(res, indent=1))
-    text = markdown(res)
-    (OUT / "bench_loco.md").write_text(text + "\n")
-    print(text)
-    try:
-        plot(res, OUT / "bench_loco.png")
-        print(f"plot: {OUT / 'bench_loco.png'}")
-    except ImportError:
-        print("matplotlib is not installed: no plot", file=sys.stderr)
+    from _report import write_report  # this folder (run as a script)
+
+    write_report(OUT, "bench_loco", res, markdown(res), plot)
     return 0
 
 

@@ -26,7 +26,6 @@ summary printed and written to benchmarks/out/bench_mixedlayers.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -306,10 +305,9 @@ def main() -> int:
         ]
         for name, t in ov["median_step_s"].items():
             md.append(f"| {name} | {t * 1e3:.1f} | {t / base:.3f}x |")
-    text = "\n".join(md)
-    print(text)
-    (OUT / f"bench_mixedlayers{args.tag}.json").write_text(json.dumps(result, indent=1))
-    (OUT / f"bench_mixedlayers{args.tag}.md").write_text(text + "\n")
+    from _report import write_report  # this folder (run as a script)
+
+    write_report(OUT, f"bench_mixedlayers{args.tag}", result, "\n".join(md))
     return 0
 
 

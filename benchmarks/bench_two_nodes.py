@@ -350,9 +350,9 @@ def plot(res: dict[str, Any], path: Path) -> None:
         f"2 nodes x 2 ranks, ZeRO {res['meta']['stage']}, {res['meta']['params'] / 1e6:.1f} M params"
     )
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    from _report import save_figure  # this folder (run as a script)
+
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -434,16 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     derive(res)
     res["meta"]["seconds"] = round(time.time() - t0)
     res["meta"]["load"] = f"{load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "bench_two_nodes.json").write_text(json.dumps(res, indent=1))
-    text = markdown(res)
-    (OUT / "bench_two_nodes.md").write_text(text + "\n")
-    print(text)
-    try:
-        plot(res, OUT / "bench_two_nodes.png")
-        print(f"plot: {OUT / 'bench_two_nodes.png'}")
-    except ImportError:
-        print("matplotlib is not installed: no plot", file=sys.stderr)
+    from _report import write_report  # this folder (run as a script)
+
+    write_report(OUT, "bench_two_nodes", res, markdown(res), plot)
     return 0
 
 

@@ -35,33 +35,15 @@ from accumdtype.state import AccumState, buffer_of
 __all__ = ["accum_state", "accumulation_bytes", "grad_accum", "grad_accum_range", "grad_reduc"]
 
 _Z3_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
-_INTERNALS = {
-    1: (
-        "_get_param_group_idx",
-        "_use_compact_grad_partition_buffer",
-        "averaged_gradients",
-        "grad_start_offset",
-        "grad_partition_insertion_offset",
-        "partition_size",
-        "real_dp_process_group",
-        "_get_compact_grad_partition_slice",
-        "get_param_id",
-    ),
-    3: (_Z3_PARTITIONS, "_get_param_partition_rank"),
-}
-_INTERNALS[2] = _INTERNALS[1]
 
 
 def check_internals(optimizer: Any, stage: int) -> None:
-    """Raise :class:`zerohooks.DeepSpeedInternalMissing` now, not at the first accessor call."""
-    import deepspeed
+    """Raise :class:`zerohooks.DeepSpeedInternalMissing` now, not at the first accessor call (the
+    names are accumdtype's entries of :data:`zerohooks.surface.SURFACE`)."""
+    from zerohooks import surface
 
-    for name in _INTERNALS.get(stage, ()):
-        if not hasattr(optimizer, name):
-            raise zerohooks.DeepSpeedInternalMissing(
-                f"accumdtype needs {type(optimizer).__name__}.{name}, which DeepSpeed "
-                f"{deepspeed.__version__} does not have (supported: DeepSpeed {zerohooks.SUPPORTED_DEEPSPEED})"
-            )
+    if stage in (1, 2, 3):
+        surface.check_object(optimizer, surface.ZERO3 if stage == 3 else surface.ZERO12, stage, "accumdtype")
 
 
 def accum_state(engine: Any) -> AccumState:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,20 +13,15 @@ from accumdtype.checkpoint import AccumCheckpoint, check_save
 from accumdtype.config import AccumDtypeConfig, Plan, apply_plan, make_plan
 from accumdtype.state import AccumState, accumulate, end_window, hand_to_optimizer, reduction_tensor
 from zerohooks import PluginConfig, SetupContext, StepContext, ZeroPlugin
+from zerohooks.adapter import seams
 from zerohooks.hookspec import AfterStepHook, BeforeStepHook, MicroStepGradHook, ReduceTensorHook
-from zerohooks.registry import HookRegistry
+from zerohooks.registry import FIRST, LAST, HookRegistry
 
 __all__ = ["FIRST", "LAST", "AccumDtypePlugin"]
 
-FIRST = -1000
-"""Order of the hooks that must run before other plugins' (the tensor to reduce is accumdtype's
-baseline, which a compressing plugin may deliberately transform; the gradients handed to the
-optimizer must be in place before others look at them)."""
-LAST = 1000
-"""Order of the hooks that must run after other plugins' (taking over ``param.grad`` at a
-micro-step; zeroing the buffers after the step)."""
-
-_OPT12 = "DeepSpeedZeroOptimizer"
+# FIRST: the tensor to reduce is accumdtype's baseline, which a compressing plugin may
+# deliberately transform; the gradients handed to the optimizer must be in place before others
+# look at them.  LAST: taking over ``param.grad`` at a micro-step; zeroing the buffers after the step.
 
 
 class AccumDtypePlugin(ZeroPlugin):
@@ -36,18 +30,14 @@ class AccumDtypePlugin(ZeroPlugin):
     name = "accumdtype"
     distribution = "zerohooks-accumdtype"
     Config = AccumDtypeConfig
+    cfg: AccumDtypeConfig
 
     def __init__(self, config: PluginConfig | None = None) -> None:
-        super().__init__(config or AccumDtypeConfig())
+        super().__init__(config)
         self.plan: Plan | None = None
         """Decided in :meth:`edit_deepspeed_config`."""
         self.state: AccumState | None = None
         """The engine's state, created in :meth:`attach`."""
-
-    @property
-    def cfg(self) -> AccumDtypeConfig:
-        assert isinstance(self.config, AccumDtypeConfig)
-        return self.config
 
     # -- before DeepSpeed ---------------------------------------------------------------------
     def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
@@ -81,14 +71,11 @@ class AccumDtypePlugin(ZeroPlugin):
         opt = engine.optimizer
         check_internals(opt, plan.stage)
         if plan.mechanism == "deepspeed_flag":
-            # What DeepSpeedZeroOptimizer's constructor sets for gradient_accumulation_dtype=fp32
-            # (it is only asked to for fp16 models: for bf16 DeepSpeed builds BF16_Optimizer).
-            att.patch(opt, "gradient_accumulation_dtype", lambda _: plan.accum_dtype, _OPT12)
-            att.patch(opt, "use_separate_grad_accum", lambda _: True, _OPT12)
-            att.patch(opt, "use_grad_accum_attribute", lambda _: True, _OPT12)
+            # DeepSpeed is only asked for it for fp16 models: for bf16 it builds BF16_Optimizer
+            seams.accumulate_separately(att, plan.accum_dtype)
         if plan.wide_ipg_buffer:
-            att.patch(opt, "_gradient_reduction_buffer_dtype", _wide_buffer(plan.reduce_dtype), _OPT12)
-        att.patch(engine, "save_checkpoint", _guarded_save(state), "DeepSpeedEngine")
+            seams.widen_reduction_buffer(att, plan.reduce_dtype)
+        seams.check_before_save(att, lambda: check_save(state))
         if plan.warnings and engine.global_rank == 0:
             for text in plan.warnings:
                 warnings.warn(f"accumdtype: {text}", RuntimeWarning, stacklevel=2)
@@ -145,25 +132,3 @@ def _z2_bypass_tensor(state: AccumState) -> ReduceTensorHook:
         return tensor.to(reduce)
 
     return reduce_tensor
-
-
-def _wide_buffer(dtype: torch.dtype) -> Callable[[Callable[[], torch.dtype]], Callable[[], torch.dtype]]:
-    def make(original: Callable[[], torch.dtype]) -> Callable[[], torch.dtype]:
-        def _gradient_reduction_buffer_dtype() -> torch.dtype:
-            own = original()
-            return dtype if dtype.itemsize > own.itemsize else own
-
-        return _gradient_reduction_buffer_dtype
-
-    return make
-
-
-def _guarded_save(state: AccumState) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
-            check_save(state)
-            return original(*args, **kwargs)
-
-        return save_checkpoint
-
-    return make

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +22,7 @@ from autocastzero.scaling import (
 )
 from autocastzero.select import safe_parameters, warn_if_nothing_safe
 from zerohooks import PluginConfig, SetupContext, StepContext, ZeroPlugin
+from zerohooks.adapter import seams
 from zerohooks.hookspec import AfterStepHook, GatherDtypeHook, PrepareModelHook, ReduceDtypeHook
 from zerohooks.registry import HookRegistry
 
@@ -52,11 +52,6 @@ def warn_if_slow_here(device_type: str, dtype: torch.dtype) -> bool:
         stacklevel=3,
     )
     return True
-
-
-_ENGINE = "DeepSpeedEngine"
-_Z12 = "DeepSpeedZeroOptimizer"
-_Z3 = "DeepSpeedZeroOptimizer_Stage3"
 
 
 class AutocastState:
@@ -110,17 +105,12 @@ class AutocastZeroPlugin(ZeroPlugin):
     name = "autocastzero"
     distribution = "zerohooks-autocastzero"
     Config = AutocastZeroConfig
+    cfg: AutocastZeroConfig
 
     def __init__(self, config: PluginConfig | None = None) -> None:
-        super().__init__(config or AutocastZeroConfig())
+        super().__init__(config)
         self.state: AutocastState | None = None
         """Created in :meth:`attach`."""
-        self._extra_attrs: list[tuple[Any, str]] = []
-
-    @property
-    def cfg(self) -> AutocastZeroConfig:
-        assert isinstance(self.config, AutocastZeroConfig)
-        return self.config
 
     @override
     def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
@@ -158,7 +148,7 @@ class AutocastZeroPlugin(ZeroPlugin):
             state.safe = safe_parameters(engine.module, self.cfg)
             if getattr(engine, "global_rank", 0) == 0:  # once per engine, not once per rank
                 warn_if_nothing_safe(engine.module, self.cfg, state.safe, state.stage)
-        att.patch(engine, "forward", _autocast_forward(state), _ENGINE)
+        seams.run_forward_in(att, lambda: torch.autocast(device_type=state.device_type, dtype=state.dtype))
         if state.scale is not None:
             reinstall = self._install_scaler(engine, att, state.stage, state.scale)
             registry.register_state(ScaleCheckpoint(state.scale, reinstall), name=self.name)
@@ -166,34 +156,22 @@ class AutocastZeroPlugin(ZeroPlugin):
     def _install_scaler(self, engine: Any, att: Any, stage: int, scale: ScaleState) -> Callable[[], None]:
         """Put the plugin's scaler where DeepSpeed looks for one; returns how to put it back after a
         checkpoint load (DeepSpeed restores the ZeRO optimizer's pickled scaler object)."""
-        opt = engine.optimizer
-        if stage == 0:
-            params = [p for p in engine.module.parameters() if p.requires_grad]
-            att.patch(engine, "torch_autocast_z0_gradscaler", lambda _: Zero0Scaler(scale, params), _ENGINE)
-            if "overflow" not in vars(opt):
-                opt.overflow = False  # read by the engine to count skipped steps; removed in close()
-                self._extra_attrs.append((opt, "overflow"))
-            return lambda: None
+        params = [p for p in engine.module.parameters() if p.requires_grad] if stage == 0 else []
         scaler = ZeroLossScaler(scale)
-        what = _Z3 if stage == 3 else _Z12
-        att.patch(opt, "loss_scaler", lambda _: scaler, what)
-        att.patch(opt, "dynamic_loss_scale", lambda _: scale.dynamic, what)
-        if stage == 3:
-            att.patch(opt, "_overflow_check_and_loss_scale_update", _z3_overflow_check(opt), what)
-        else:
-            att.patch(opt, "check_grad_overflow", lambda _: True, what)
+        installed = seams.own_loss_scaling(
+            att, zero_scaler=scaler, zero0_scaler=Zero0Scaler(scale, params), dynamic=scale.dynamic
+        )
+        if stage == 0:
+            return installed
 
         def reinstall() -> None:
             scaler.in_use = scale.scale
-            opt.loss_scaler = scaler
+            installed()
 
         return reinstall
 
     @override
     def close(self) -> None:
-        for obj, name in self._extra_attrs:
-            vars(obj).pop(name, None)
-        self._extra_attrs.clear()
         if self.state is not None:
             self.state.engine = None
 
@@ -231,31 +209,3 @@ def _report_stuck(state: AutocastState) -> AfterStepHook:
             warnings.warn(message, RuntimeWarning, stacklevel=2)
 
     return after_step
-
-
-def _autocast_forward(state: AutocastState) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            with torch.autocast(device_type=state.device_type, dtype=state.dtype):
-                return original(*args, **kwargs)
-
-        return forward
-
-    return make
-
-
-def _z3_overflow_check(opt: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """ZeRO 3 checks gradients for inf/nan only when its parameters are fp16; check them anyway."""
-
-    def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        def _overflow_check_and_loss_scale_update(update_scale: bool = True) -> Any:
-            opt.overflow = False
-            opt.check_overflow()
-            if not update_scale:
-                return opt.overflow
-            return opt._loss_scale_update_and_overflow_cleanup()
-
-        return _overflow_check_and_loss_scale_update
-
-    return make

@@ -167,12 +167,11 @@ class LocoPlugin(ZeroPlugin):
     name = "loco"
     distribution = "zerohooks-loco"
     Config = LocoConfig
+    cfg: LocoConfig
     native = (ops.EXTENSIONS["cpu"], ops.EXTENSIONS["cuda"])
 
     def __init__(self, config: PluginConfig | None = None) -> None:
-        super().__init__(config or LocoConfig())
-        assert isinstance(self.config, LocoConfig)
-        self.cfg: LocoConfig = self.config
+        super().__init__(config)
         self.state = LocoState(self.cfg)
         self.engine: Any = None
         self._fp16 = False

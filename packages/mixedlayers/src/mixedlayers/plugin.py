@@ -36,16 +36,13 @@ from mixedlayers.zero3 import restore_zero3
 from mixedlayers.zero12 import fp32_accumulation_by_config, install_fp32_accumulation, install_fp32_staging
 from zerohooks import ConfigError, PluginConfig, SetupContext, ZeroPlugin
 from zerohooks.hookspec import GatherDtypeHook, PrepareModelHook, PrepareParametersHook, ReduceDtypeHook
-from zerohooks.registry import HookRegistry
+from zerohooks.registry import FIRST, LAST, HookRegistry
 
 __all__ = ["MixedLayersPlugin", "mixed_state"]
 
-FIRST = -1000
-"""Order of the ``prepare_model`` hook: select and keep the modules before other plugins wrap
-the model (their wrappers would change module names)."""
-LAST = 1000
-"""Order of the ``reduce_dtype`` hook: whatever other plugins chose, fp32 gradients are never
-reduced in a narrower dtype."""
+# FIRST (prepare_model): select and keep the modules before other plugins wrap the model (their
+# wrappers would change module names).  LAST (reduce_dtype): whatever other plugins chose, fp32
+# gradients are never reduced in a narrower dtype.
 
 
 def mixed_state(engine: Any) -> MixedState | None:
@@ -63,6 +60,7 @@ class MixedLayersPlugin(ZeroPlugin):
     name = "mixedlayers"
     distribution = "zerohooks-mixedlayers"
     Config = MixedLayersConfig
+    cfg: MixedLayersConfig
 
     def __init__(self, config: PluginConfig) -> None:
         super().__init__(config)
@@ -76,11 +74,6 @@ class MixedLayersPlugin(ZeroPlugin):
         """autocastzero is enabled too: fp32 parameters everywhere, the kept modules compute
         outside autocast (:mod:`mixedlayers.under_autocast`)."""
         return AUTOCAST_PLUGIN in self.peers
-
-    @property
-    def cfg(self) -> MixedLayersConfig:
-        assert isinstance(self.config, MixedLayersConfig)
-        return self.config
 
     @override
     def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:

@@ -19,27 +19,14 @@ import torch
 import torch.distributed as dist
 
 from mixedlayers.state import MixedState
-from zerohooks import DeepSpeedInternalMissing
+from zerohooks import surface
 
 __all__ = ["restore_zero3"]
 
-_NEEDED = (
-    "fp16_groups",
-    "fp16_partitioned_groups",
-    "fp16_partitioned_groups_flat",
-    "fp32_partitioned_groups_flat",
-)
-
 
 def _check(opt: Any) -> None:
-    missing = [n for n in _NEEDED if not hasattr(opt, n)]
-    if missing:
-        import deepspeed
-
-        raise DeepSpeedInternalMissing(
-            f"mixedlayers needs DeepSpeedZeroOptimizer_Stage3.{', '.join(missing)}, which DeepSpeed "
-            f"{deepspeed.__version__} does not have"
-        )
+    """mixedlayers' entries of :data:`zerohooks.surface.SURFACE` on the ZeRO-3 optimizer."""
+    surface.check_object(opt, surface.ZERO3, 3, "mixedlayers")
 
 
 def _partition_of(param: Any, full: torch.Tensor, out: torch.Tensor) -> None:

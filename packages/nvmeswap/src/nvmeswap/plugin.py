@@ -62,19 +62,15 @@ class NvmeSwapPlugin(ZeroPlugin):
     name = "nvmeswap"
     distribution = "zerohooks-nvmeswap"
     Config = NvmeSwapConfig
+    cfg: NvmeSwapConfig
     native = (io.EXTENSION, adam.EXTENSION)
 
     def __init__(self, config: PluginConfig | None = None) -> None:
-        super().__init__(config or NvmeSwapConfig())
+        super().__init__(config)
         self.base_folder: str | None = None
         self.state: SwapState | None = None
         self._claim: FolderClaim | None = None
         self._atexit: Callable[[], None] | None = None
-
-    @property
-    def cfg(self) -> NvmeSwapConfig:
-        assert isinstance(self.config, NvmeSwapConfig)
-        return self.config
 
     @override
     def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ check_deepspeed_version(_deepspeed.__version__)
 announce_deepspeed_op_builds()  # DeepSpeed's minutes-long JIT builds say so when they start
 
 from zerohooks import exitguard, watchdog  # noqa: E402  (exitguard: gloo exits without std::terminate)
-from zerohooks.adapter import Attachment, attachment_of, detach, step_context  # noqa: E402
+from zerohooks.adapter import Attachment, attachment, detach, step_context  # noqa: E402
 from zerohooks.config import ENTRY_POINT_GROUP, KNOWN_PLUGINS, available_plugins  # noqa: E402
 from zerohooks.counters import CommCounters  # noqa: E402
 from zerohooks.enable import enable, enabled  # noqa: E402
@@ -42,18 +42,16 @@ from zerohooks.hookspec import (  # noqa: E402
     ReduceBucket,
     SetupContext,
     StepContext,
-    SwapOwner,
 )
 from zerohooks.initialize import initialize  # noqa: E402
 from zerohooks.plugin import PluginConfig, PluginInUseError, ZeroPlugin  # noqa: E402
-from zerohooks.registry import HookRegistry, OwnerConflictError, RemovableHandle  # noqa: E402
-
-attachment = attachment_of
-"""``zerohooks.attachment(engine)``: the engine's :class:`Attachment` (counters, registry) or None."""
+from zerohooks.registry import FIRST, LAST, HookRegistry, OwnerConflictError, RemovableHandle  # noqa: E402
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "FIRST",
     "KNOWN_PLUGINS",
+    "LAST",
     "SUPPORTED_DEEPSPEED",
     "Attachment",
     "CheckpointDiskFullError",
@@ -75,7 +73,6 @@ __all__ = [
     "RemovableHandle",
     "SetupContext",
     "StepContext",
-    "SwapOwner",
     "UnsupportedDeepSpeedError",
     "ZeroPlugin",
     "__version__",

@@ -25,7 +25,7 @@ __all__ = [
     "skip_deepspeed_shm_op",
 ]
 
-SUPPORTED_DEEPSPEED = SpecifierSet(">=0.19.0,<0.20")
+SUPPORTED_DEEPSPEED = SpecifierSet(">=0.19.8,<0.20")
 """DeepSpeed releases whose internals the adapter was written against and tested on."""
 
 _OVERRIDE = "ZEROHOOKS_ALLOW_UNSUPPORTED_DEEPSPEED"

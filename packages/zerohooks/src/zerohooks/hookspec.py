@@ -11,8 +11,7 @@ Two kinds of hooks exist:
 ``order`` and then by name, each one receiving what the previous one returned;
 
 *owners* (the gradient collective, :class:`GradientReducer`; the parameter all-gather,
-:class:`ParameterGatherer`; and the ZeRO-3 NVMe optimizer state path, :class:`SwapOwner`) have at
-most one owner per engine.  Registering a second owner is
+:class:`ParameterGatherer`) have at most one owner per engine.  Registering a second owner is
 an error that names both.
 """
 
@@ -42,7 +41,6 @@ __all__ = [
     "SetupContext",
     "StateProvider",
     "StepContext",
-    "SwapOwner",
 ]
 
 
@@ -368,34 +366,3 @@ class ParameterGatherer(abc.ABC):
         Every ``all_gather_into_tensor`` DeepSpeed issues on a routed group comes here, not only
         the parameters' (ZeRO 3's partitioned-buffer and fp32-state gathers use the same groups).
         """
-
-
-SwapDefault = Callable[[], None]
-
-
-class SwapOwner:
-    """Owner of the ZeRO-3 NVMe optimizer-state path.  At most one per engine.
-
-    Each method wraps one phase of DeepSpeed's swapper and receives ``default``, a callable that
-    runs DeepSpeed's own code for that phase: call it to keep DeepSpeed's behaviour, or replace
-    it.  Only fires when ``offload_optimizer.device`` is ``"nvme"`` on ZeRO 3.
-    """
-
-    def swap_out_gradients(
-        self,
-        optimizer: Any,
-        sub_group_id: int,
-        offsets: list[int],
-        gradients: list[torch.Tensor],
-        default: SwapDefault,
-    ) -> None:
-        """At the accumulation boundary: the fp32 gradients of a swapped sub-group are ready."""
-        default()
-
-    def swap_in(self, optimizer: Any, sub_group_id: int, default: SwapDefault) -> None:
-        """Before a sub-group's optimizer step: bring its parameters, state and gradients in."""
-        default()
-
-    def swap_out(self, optimizer: Any, sub_group_id: int, default: SwapDefault) -> None:
-        """After a sub-group's optimizer step: write its parameters and state back."""
-        default()

@@ -12,7 +12,7 @@ import torch
 
 from zerohooks import watchdog
 from zerohooks._compat import original_initialize
-from zerohooks.adapter import attach, attachment_of, detach
+from zerohooks.adapter import attach, attachment, detach
 from zerohooks.config import load_config, split_plugin_sections
 from zerohooks.dsconfig import engine_context, setup_context
 from zerohooks.errors import ConfigError
@@ -183,7 +183,7 @@ def initialize(*args: Any, plugins: Sequence[ZeroPlugin] = (), **kwargs: Any) ->
         elif failure is not None:
             raise failure
     except BaseException:
-        if attachment_of(engine) is not None:
+        if attachment(engine) is not None:
             detach(engine)  # undo every patch and let each plugin release what it made (files, buffers)
         else:
             # the adapter refused the engine before installing anything (e.g. a plugin that needs

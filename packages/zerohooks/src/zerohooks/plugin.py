@@ -82,8 +82,16 @@ class ZeroPlugin:
     """The plugin's just-in-time C++/CUDA extensions (:class:`zerohooks.native.NativeExtension`),
     which ``python -m zerohooks.build <name>`` builds ahead of time."""
 
-    def __init__(self, config: PluginConfig) -> None:
+    cfg: PluginConfig
+    """The same object as :attr:`config`; a subclass narrows its type with an annotation
+    (``cfg: MyConfig``)."""
+
+    def __init__(self, config: PluginConfig | None = None) -> None:
+        if config is None:
+            config = type(self).Config()  # every key at its default (a section of {})
         self.config = config
+        """The validated config section."""
+        self.cfg = config
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -25,10 +25,14 @@ from zerohooks.hookspec import (
     ReduceDtypeHook,
     ReduceTensorHook,
     StateProvider,
-    SwapOwner,
 )
 
-__all__ = ["HookRegistry", "OwnerConflictError", "RemovableHandle"]
+__all__ = ["FIRST", "LAST", "HookRegistry", "OwnerConflictError", "RemovableHandle"]
+
+FIRST = -1000
+"""``order=`` of a transform that must run before every other plugin's (ties: by name)."""
+LAST = 1000
+"""``order=`` of a transform that must run after every other plugin's (ties: by name)."""
 
 T = TypeVar("T")
 _ids = itertools.count()
@@ -142,54 +146,55 @@ class HookRegistry:
         self.before_step: _HookList[BeforeStepHook] = _HookList("before_step")
         self.after_step: _HookList[AfterStepHook] = _HookList("after_step")
         self.reducer: _Owner[GradientReducer] = _Owner("the gradient collective")
-        self.swapper: _Owner[SwapOwner] = _Owner("the NVMe optimizer-state swap path")
         self.gatherer: _Owner[ParameterGatherer] = _Owner("the parameter all-gather")
         self.gather_dtype: _HookList[GatherDtypeHook] = _HookList("gather_dtype")
         self.states: dict[str, StateProvider] = {}
         self._sealed = False
 
     # -- registration -------------------------------------------------------------------------
+    def _add(
+        self, hooks: _HookList[T], fn: T, order: int, name: str, before: str | None = None
+    ) -> RemovableHandle:
+        """Add ``fn`` to a transform; ``before``: the moment after which it is refused."""
+        if before is not None and self._sealed:
+            raise RuntimeError(f"{hooks.hook} hooks must be registered before {before}")
+        return hooks.add(fn, order, name)
+
     def register_prepare_model(self, fn: PrepareModelHook, *, name: str, order: int = 0) -> RemovableHandle:
-        """Register a :class:`~zerohooks.hookspec.PrepareModelHook`."""
-        if self._sealed:
-            raise RuntimeError("prepare_model hooks must be registered before the engine is built")
-        return self.prepare_model.add(fn, order, name)
+        """Register a :class:`~zerohooks.hookspec.PrepareModelHook` (before the engine is built)."""
+        return self._add(self.prepare_model, fn, order, name, before="the engine is built")
 
     def register_prepare_parameters(
         self, fn: PrepareParametersHook, *, name: str, order: int = 0
     ) -> RemovableHandle:
-        """Register a :class:`~zerohooks.hookspec.PrepareParametersHook`."""
-        if self._sealed:
-            raise RuntimeError("prepare_parameters hooks must be registered before the engine is built")
-        return self.prepare_parameters.add(fn, order, name)
+        """Register a :class:`~zerohooks.hookspec.PrepareParametersHook` (before the engine is built)."""
+        return self._add(self.prepare_parameters, fn, order, name, before="the engine is built")
 
     def register_micro_step_grad(
         self, fn: MicroStepGradHook, *, name: str, order: int = 0
     ) -> RemovableHandle:
         """Register a :class:`~zerohooks.hookspec.MicroStepGradHook`."""
-        return self.micro_step_grad.add(fn, order, name)
+        return self._add(self.micro_step_grad, fn, order, name)
 
     def register_reduce_dtype(self, fn: ReduceDtypeHook, *, name: str, order: int = 0) -> RemovableHandle:
         """Register a :class:`~zerohooks.hookspec.ReduceDtypeHook`."""
-        return self.reduce_dtype.add(fn, order, name)
+        return self._add(self.reduce_dtype, fn, order, name)
 
     def register_reduce_tensor(self, fn: ReduceTensorHook, *, name: str, order: int = 0) -> RemovableHandle:
         """Register a :class:`~zerohooks.hookspec.ReduceTensorHook`."""
-        return self.reduce_tensor.add(fn, order, name)
+        return self._add(self.reduce_tensor, fn, order, name)
 
     def register_before_step(self, fn: BeforeStepHook, *, name: str, order: int = 0) -> RemovableHandle:
         """Register a :class:`~zerohooks.hookspec.BeforeStepHook`."""
-        return self.before_step.add(fn, order, name)
+        return self._add(self.before_step, fn, order, name)
 
     def register_after_step(self, fn: AfterStepHook, *, name: str, order: int = 0) -> RemovableHandle:
         """Register a :class:`~zerohooks.hookspec.AfterStepHook`."""
-        return self.after_step.add(fn, order, name)
+        return self._add(self.after_step, fn, order, name)
 
     def register_gather_dtype(self, fn: GatherDtypeHook, *, name: str, order: int = 0) -> RemovableHandle:
         """Register a :class:`~zerohooks.hookspec.GatherDtypeHook` (ZeRO 3 only; read at attach)."""
-        if self._sealed:
-            raise RuntimeError("gather_dtype hooks must be registered before the engine is attached")
-        return self.gather_dtype.add(fn, order, name)
+        return self._add(self.gather_dtype, fn, order, name, before="the engine is attached")
 
     def register_reducer(self, reducer: GradientReducer, *, name: str) -> RemovableHandle:
         """Own the gradient collective; a second owner raises :class:`OwnerConflictError`."""
@@ -198,10 +203,6 @@ class HookRegistry:
     def register_gatherer(self, gatherer: ParameterGatherer, *, name: str) -> RemovableHandle:
         """Own the parameter all-gathers (ZeRO 1-3); a second owner raises :class:`OwnerConflictError`."""
         return self.gatherer.set(gatherer, name)
-
-    def register_swapper(self, swapper: SwapOwner, *, name: str) -> RemovableHandle:
-        """Own the ZeRO-3 NVMe swap path; a second owner raises :class:`OwnerConflictError`."""
-        return self.swapper.set(swapper, name)
 
     def register_state(self, provider: StateProvider, *, name: str) -> RemovableHandle:
         """Save ``provider``'s state with checkpoints under ``name`` (unique per engine)."""
@@ -257,7 +258,6 @@ class HookRegistry:
         """Names registered per hook, in firing order (for logs and tests)."""
         out = {hl.hook: hl.names() for hl in self._transforms()}
         out["reducer"] = [self.reducer.name] if self.reducer.name else []
-        out["swapper"] = [self.swapper.name] if self.swapper.name else []
         out["gatherer"] = [self.gatherer.name] if self.gatherer.name else []
         out["state"] = sorted(self.states)
         return out

@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from zerohooks.adapter.base import Attachment, attachment_of, step_context
+from zerohooks import surface
+from zerohooks.adapter.base import Attachment, attachment, step_context
 from zerohooks.errors import ConfigError
 from zerohooks.hookspec import SetupContext
 from zerohooks.plugin import ZeroPlugin
 from zerohooks.registry import HookRegistry
 
-__all__ = ["Attachment", "attach", "attachment_of", "detach", "step_context"]
+__all__ = ["Attachment", "attach", "attachment", "detach", "step_context"]
 
 
 _log = logging.getLogger("zerohooks")
@@ -22,7 +23,7 @@ _STAGE_HOOKS = ("micro_step_grad", "reduce_dtype", "reduce_tensor", "gather_dtyp
 def _stage_plugins(registry: HookRegistry) -> list[str]:
     """Plugins that registered hooks fired inside a ZeRO optimizer (not only around the step)."""
     summary = registry.summary()
-    names = {n for hook in (*_STAGE_HOOKS, "reducer", "gatherer", "swapper") for n in summary[hook]}
+    names = {n for hook in (*_STAGE_HOOKS, "reducer", "gatherer") for n in summary[hook]}
     return sorted(names)
 
 
@@ -48,7 +49,7 @@ def attach(engine: Any, registry: HookRegistry, setup: SetupContext, plugins: li
     the engine stays as DeepSpeed built it; plugins that hook into the ZeRO optimizer are refused
     with the optimizer's name and the settings that would work.
     """
-    if attachment_of(engine) is not None:
+    if attachment(engine) is not None:
         raise RuntimeError("this engine already has zerohooks attached; detach it first")
     registry.seal()
     att = Attachment(engine, registry, setup, plugins)
@@ -68,6 +69,7 @@ def attach(engine: Any, registry: HookRegistry, setup: SetupContext, plugins: li
                 "these plugins"
             )
     try:
+        surface.check(engine, stage, [p.name for p in plugins])
         att.install_engine_patches()
         if stage_ok:
             if stage == 0:
@@ -100,7 +102,7 @@ def attach(engine: Any, registry: HookRegistry, setup: SetupContext, plugins: li
 
 def detach(engine: Any) -> None:
     """Undo everything zerohooks did to ``engine``: it behaves as DeepSpeed built it."""
-    att = attachment_of(engine)
+    att = attachment(engine)
     if att is None:
         raise ValueError("this engine has no zerohooks attachment")
     att.detach()

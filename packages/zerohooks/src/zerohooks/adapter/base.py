@@ -17,13 +17,13 @@ from zerohooks.hookspec import ReduceBucket, SetupContext, StepContext
 from zerohooks.plugin import ZeroPlugin
 from zerohooks.registry import HookRegistry
 
-__all__ = ["Attachment", "attachment_of", "step_context"]
+__all__ = ["Attachment", "attachment", "step_context"]
 
 _MISSING = object()
 _attachments: weakref.WeakKeyDictionary[Any, Attachment] = weakref.WeakKeyDictionary()
 
 
-def attachment_of(engine: Any) -> Attachment | None:
+def attachment(engine: Any) -> Attachment | None:
     """The :class:`Attachment` of ``engine``, or None when zerohooks did not build it."""
     return _attachments.get(engine)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -160,41 +159,6 @@ def _install_collectives(att: Attachment, opt: Any) -> None:
     att.patch(opt, _MANGLE + "avg_scatter_contiguous_grads", make_contiguous, _OPT)
 
 
-def _install_swap(att: Attachment, opt: Any) -> None:
-    swapper = att.registry.swapper.owner
-    if swapper is None:
-        return
-    if not getattr(opt, "swap_optimizer", False):
-        raise ConfigError(
-            f"{att.registry.swapper.name!r} owns the NVMe optimizer swap path, which needs ZeRO 3 with "
-            'zero_optimization.offload_optimizer.device = "nvme"'
-        )
-
-    def make_grads(original: Callable[..., Any]) -> Callable[..., Any]:
-        def swap_out_gradients(grads: dict[int, list[torch.Tensor]], offsets: dict[int, list[int]]) -> None:
-            for i in list(grads):
-                g, o = grads[i], offsets[i]
-                swapper.swap_out_gradients(opt, i, o, g, functools.partial(original, {i: g}, {i: o}))
-
-        return swap_out_gradients
-
-    def make_in(original: Callable[..., Any]) -> Callable[..., Any]:
-        def swap_in(sub_group_id: int, timer_names: Any = None) -> None:
-            swapper.swap_in(opt, sub_group_id, lambda: original(sub_group_id, timer_names))
-
-        return swap_in
-
-    def make_out(original: Callable[..., Any]) -> Callable[..., Any]:
-        def swap_out(sub_group_id: int, timer_names: Any = None) -> None:
-            swapper.swap_out(opt, sub_group_id, lambda: original(sub_group_id, timer_names))
-
-        return swap_out
-
-    att.patch(opt, "_swap_out_offload_fp32_gradients", make_grads, _OPT)
-    att.patch(opt, "_optimizer_states_and_gradient_swap_in", make_in, _OPT)
-    att.patch(opt, "_optimizer_states_and_gradient_swap_out", make_out, _OPT)
-
-
 class _GatherDtypes:
     """The all-gather dtypes set on ZeRO-3 parameters, and their removal on detach.
 
@@ -252,7 +216,6 @@ def install(att: Attachment) -> None:
     _install_gather_dtypes(att, opt)
     _install_grad_hooks(att, opt)
     _install_collectives(att, opt)
-    _install_swap(att, opt)
     _install_gatherer(att)
 
 

@@ -1,0 +1,161 @@
+"""Typed seams for the DeepSpeed mechanisms plugins change beyond the hooks of the registry.
+
+Each function changes one DeepSpeed mechanism of one engine, per instance (undone by
+``zerohooks.detach``), and is the only place that knows which DeepSpeed attributes carry it
+(all listed in :data:`zerohooks.surface.SURFACE`).  Plugins call them from ``engine_ready`` with
+the engine's :class:`~zerohooks.adapter.base.Attachment`:
+
+* gradient hand-off: :func:`accumulate_separately` (DeepSpeed's own separate accumulation buffer
+  of ZeRO 1/2), :func:`stage_buckets_in_own_dtype` and :func:`widen_reduction_buffer` (the dtype
+  gradients are staged in before the collective);
+* loss scaling: :func:`own_loss_scaling` (the scaler DeepSpeed multiplies the loss by and
+  unscales with, on every stage, and its overflow check);
+* forward: :func:`run_forward_in` (a context around the engine's forward, e.g. autocast);
+* checkpoints: :func:`check_before_save` (refuse ``save_checkpoint`` in a state that cannot be saved).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zerohooks.adapter.base import Attachment
+from zerohooks.registry import RemovableHandle
+from zerohooks.surface import ENGINE, ZERO3, ZERO12
+
+__all__ = [
+    "accumulate_separately",
+    "check_before_save",
+    "own_loss_scaling",
+    "run_forward_in",
+    "stage_buckets_in_own_dtype",
+    "widen_reduction_buffer",
+]
+
+_E = ENGINE.rpartition(".")[2]
+_Z12 = ZERO12.rpartition(".")[2]
+_Z3 = ZERO3.rpartition(".")[2]
+
+
+def _constant(value: Any) -> Callable[[Any], Any]:
+    return lambda _original: value
+
+
+def accumulate_separately(att: Attachment, dtype: torch.dtype) -> None:
+    """ZeRO 1/2: accumulate gradients in a separate ``dtype`` buffer, as DeepSpeedZeroOptimizer's
+    constructor sets it up for ``data_types.grad_accum_dtype`` (where that key cannot be used: a
+    bf16 model on ZeRO 1 without offload, for which DeepSpeed builds its BF16_Optimizer instead)."""
+    opt = att.engine.optimizer
+    att.patch(opt, "gradient_accumulation_dtype", _constant(dtype), _Z12)
+    att.patch(opt, "use_separate_grad_accum", _constant(True), _Z12)
+    att.patch(opt, "use_grad_accum_attribute", _constant(True), _Z12)
+
+
+def widen_reduction_buffer(att: Attachment, dtype: torch.dtype) -> None:
+    """ZeRO 1/2: stage gradients in a buffer at least as wide as ``dtype`` (DeepSpeed allocates
+    the staging buffer in the model dtype)."""
+
+    def make(original: Callable[[], torch.dtype]) -> Callable[[], torch.dtype]:
+        def _gradient_reduction_buffer_dtype() -> torch.dtype:
+            own = original()
+            return dtype if dtype.itemsize > own.itemsize else own
+
+        return _gradient_reduction_buffer_dtype
+
+    att.patch(att.engine.optimizer, "_gradient_reduction_buffer_dtype", make, _Z12)
+
+
+def stage_buckets_in_own_dtype(att: Attachment, dtype: torch.dtype, size: int) -> None:
+    """ZeRO 1/2: the staging buffers of the bucket of communication dtype ``dtype`` are ``dtype``
+    (``size`` elements) each time DeepSpeed sets the buckets up (it allocates every bucket's
+    buffers in the model dtype)."""
+    opt = att.engine.optimizer
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def setup_buckets() -> Any:
+            out = original()
+            bucket = opt.ipg_buckets.get(dtype)
+            if bucket is not None:
+                for i, buf in enumerate(bucket.buffer):
+                    if buf.dtype != dtype:
+                        bucket.buffer[i] = torch.empty(size, dtype=dtype, device=buf.device)
+            return out
+
+        return setup_buckets
+
+    att.patch(opt, "setup_buckets", make, _Z12)
+
+
+def own_loss_scaling(
+    att: Attachment, *, zero_scaler: Any, zero0_scaler: Any, dynamic: bool
+) -> Callable[[], None]:
+    """Scale the loss with the plugin's scaler on every stage, and check gradients for overflow
+    whatever the parameters' dtype (DeepSpeed checks only fp16 ones).
+
+    ``zero_scaler``: a DeepSpeed ``LossScalerBase`` for ZeRO 1-3 (``cur_scale``, ``scale_loss``,
+    ``update_scale``); ``zero0_scaler``: a ``torch.amp.GradScaler``-like object for ZeRO 0, whose
+    engine calls ``scale``/``unscale_``/``step``/``update``.  Returns what to call after a
+    checkpoint load (DeepSpeed restores its own pickled scaler object on ZeRO 1-3)."""
+    engine, opt = att.engine, att.engine.optimizer
+    if att.setup.zero_stage == 0:
+        att.patch(engine, "torch_autocast_z0_gradscaler", _constant(zero0_scaler), _E)
+        if "overflow" not in vars(opt):
+            opt.overflow = False  # read by the engine to count skipped steps
+
+            def remove() -> None:
+                vars(opt).pop("overflow", None)
+
+            att.keep_handle(RemovableHandle(remove, "zerohooks: optimizer.overflow"))
+        return lambda: None
+    what = _Z3 if att.setup.zero_stage == 3 else _Z12
+    att.patch(opt, "loss_scaler", _constant(zero_scaler), what)
+    att.patch(opt, "dynamic_loss_scale", _constant(dynamic), what)
+    if att.setup.zero_stage == 3:
+
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def _overflow_check_and_loss_scale_update(update_scale: bool = True) -> Any:
+                opt.overflow = False
+                opt.check_overflow()
+                if not update_scale:
+                    return opt.overflow
+                return opt._loss_scale_update_and_overflow_cleanup()
+
+            return _overflow_check_and_loss_scale_update
+
+        att.patch(opt, "_overflow_check_and_loss_scale_update", make, what)
+    else:
+        att.patch(opt, "check_grad_overflow", _constant(True), what)
+
+    def reinstall() -> None:
+        opt.loss_scaler = zero_scaler
+
+    return reinstall
+
+
+def run_forward_in(att: Attachment, context: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
+    """Run the engine's forward inside ``context()`` (entered once per call)."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with context():
+                return original(*args, **kwargs)
+
+        return forward
+
+    att.patch(att.engine, "forward", make, _E)
+
+
+def check_before_save(att: Attachment, check: Callable[[], None]) -> None:
+    """Call ``check()`` before every ``engine.save_checkpoint``; it raises to refuse the save."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            check()
+            return original(*args, **kwargs)
+
+        return save_checkpoint
+
+    att.patch(att.engine, "save_checkpoint", make, _E)
