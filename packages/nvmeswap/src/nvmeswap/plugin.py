@@ -14,6 +14,7 @@ where the 16-bit partition lies.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import warnings
@@ -25,7 +26,7 @@ import torch
 from typing_extensions import override
 
 import zerohooks
-from nvmeswap import adam, fused, io, swapper
+from nvmeswap import adam, deferred, fused, io, swapper
 from nvmeswap.config import NvmeSwapConfig, rewrite_offload
 from nvmeswap.folder import FolderClaim, prepare
 from nvmeswap.swapfile import SwapCorruptionError
@@ -78,6 +79,12 @@ class NvmeSwapPlugin(ZeroPlugin):
     @override
     def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
         self.base_folder = rewrite_offload(ds_config, self.cfg)
+
+    @override
+    def building(self) -> contextlib.AbstractContextManager[None]:
+        # no fp32 master or gradient buffer is made for a swapped sub-group while DeepSpeed builds
+        # the engine (it would need 8 bytes a parameter of RAM at once): see nvmeswap.deferred
+        return deferred.deferred_masters(self.cfg.min_swap_numel, self.cfg.keep_master_in_ram)
 
     @override
     def attach(self, registry: HookRegistry, ctx: SetupContext) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from nvmeswap import io
+from nvmeswap import deferred, io
 from nvmeswap.swapfile import (
     HEADER,
     SwapCorruptionError,
@@ -133,6 +133,7 @@ class SwapState:
         self.capacity = HEADER + (state_slots + (0 if keep_master else 1)) * segment_bytes(biggest)
         self.make_engine = make_engine
         self.buffer_count = min(buffer_count, max(len(sub_groups), 1))
+        _check_buffer_memory(self.buffer_count, self.capacity, biggest)
         self.slots = [Slot(self.capacity, make_engine()) for _ in range(self.buffer_count)]
         self.clock = 0
         self.scratch = _EMPTY
@@ -160,6 +161,31 @@ class SwapState:
 
     def file_bytes(self, g: SubGroup) -> int:
         return HEADER + (self.state_slots + (0 if self.keep_master else 1)) * segment_bytes(g.numel)
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_buffer_memory(count: int, capacity: int, biggest: int) -> None:
+    """The RAM buffers must fit: each holds a whole sub-group's master and moments (12 bytes an
+    element), so DeepSpeed's default ``sub_group_size`` (1e9) would ask for 36 GB."""
+    need, avail = count * capacity, _mem_available()
+    if avail is not None and need > avail:
+        from zerohooks import ConfigError
+
+        raise ConfigError(
+            f"nvmeswap: {count} swap buffers of {capacity} bytes (the largest sub-group, {biggest} elements, "
+            f"with its fp32 master and moments) need {need} bytes of RAM, more than the {avail} available; "
+            "lower zero_optimization.sub_group_size (e.g. 100000000: 1.2 GB a buffer) or nvmeswap.buffer_count"
+        )
 
 
 # -- layout ---------------------------------------------------------------------------------------
@@ -328,6 +354,9 @@ def initialise(state: SwapState) -> None:
     for i in state.order:
         g = state.groups[i]
         g.master.grad = None  # DeepSpeed's per-sub-group fp32 gradient buffer: not needed
+        master = deferred.materialise(state.optimizer, i)  # not made while DeepSpeed built the engine
+        if master is not None:
+            g.master.data = master
         swap_out(state, i)
     flush(state)
 
