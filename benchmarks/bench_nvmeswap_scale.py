@@ -514,25 +514,25 @@ def main() -> None:
             r["summary"] = _summary(r, a.warmup, payload["fio"])
             payload["runs"].append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "steps"}), flush=True)
-        if not a.no_resume and "nvmeswap" in runs:
-            full = next(r for r in payload["runs"] if r["run"] == "nvmeswap")
-            print("== resume: steps 1-2, save", flush=True)
-            s = _launch("nvmeswap", "save", a, argv)
-            shutil.rmtree(os.path.join(a.folder, "nvmeswap"), ignore_errors=True)
-            print("== resume: load, steps 3-4", flush=True)
-            ld = _launch("nvmeswap", "load", a, argv)
-            shutil.rmtree(os.path.join(a.folder, "nvmeswap"), ignore_errors=True)
-            want = [x["loss"] for x in full.get("steps", []) if x["step"] in (3, 4)]
-            got = [x["loss"] for x in ld.get("steps", [])]
-            payload["resume"] = {
-                "save_rc": s["rc"], "load_rc": ld["rc"], "save_s": s.get("save_s"),
-                "save_written_bytes": s.get("save_written_bytes"), "load_s": ld.get("load_s"),
-                "losses_uninterrupted": want, "losses_resumed": got,
-                "bit_exact": bool(got) and got == want and ld.get("weights_sha_step4") == full.get("weights_sha_step4"),
-                "peak_gib": [s.get("cgroup_peak_gib"), ld.get("cgroup_peak_gib")],
-                "steps_saved": s.get("steps"),
-            }  # fmt: skip
-            print(json.dumps(payload["resume"]), flush=True)
+            if run == "nvmeswap" and not a.no_resume:
+                full = r
+                print("== resume: steps 1-2, save", flush=True)
+                s = _launch("nvmeswap", "save", a, argv)
+                shutil.rmtree(os.path.join(a.folder, "nvmeswap"), ignore_errors=True)
+                print("== resume: load, steps 3-4", flush=True)
+                ld = _launch("nvmeswap", "load", a, argv)
+                shutil.rmtree(os.path.join(a.folder, "nvmeswap"), ignore_errors=True)
+                want = [x["loss"] for x in full.get("steps", []) if x["step"] in (3, 4)]
+                got = [x["loss"] for x in ld.get("steps", [])]
+                payload["resume"] = {
+                    "save_rc": s["rc"], "load_rc": ld["rc"], "save_s": s.get("save_s"),
+                    "save_written_bytes": s.get("save_written_bytes"), "load_s": ld.get("load_s"),
+                    "losses_uninterrupted": want, "losses_resumed": got,
+                    "bit_exact": bool(got) and got == want and ld.get("weights_sha_step4") == full.get("weights_sha_step4"),
+                    "peak_gib": [s.get("cgroup_peak_gib"), ld.get("cgroup_peak_gib")],
+                    "steps_saved": s.get("steps"),
+                }  # fmt: skip
+                print(json.dumps(payload["resume"]), flush=True)
     finally:
         for name in (*RUNS, "ckpt"):
             shutil.rmtree(os.path.join(a.folder, name), ignore_errors=True)
