@@ -456,6 +456,7 @@ def main() -> None:
     ap.add_argument("--mem-limit-gib", type=float, default=14.0)
     ap.add_argument("--fio-size", default="4G")
     ap.add_argument("--no-resume", action="store_true")
+    ap.add_argument("--no-fio", action="store_true")
     ap.add_argument("--out")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--phase", default="full", help=argparse.SUPPRESS)
@@ -497,7 +498,7 @@ def main() -> None:
     }
     try:
         print("fio ...", flush=True)
-        payload["fio"] = _fio(a.folder, a.fio_size)
+        payload["fio"] = {} if a.no_fio else _fio(a.folder, a.fio_size)
         print(f"fio: {payload['fio']}", flush=True)
         for run in runs:
             print(f"== {run}", flush=True)
