@@ -436,6 +436,25 @@ def _markdown(p: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _write(payload: dict[str, Any], a: argparse.Namespace) -> None:
+    byrun = {r["run"]: r.get("summary", {}) for r in payload["runs"]}
+    derived: dict[str, Any] = {}
+    if byrun.get("nvmeswap", {}).get("step_s") and byrun.get("deepspeed_nvme", {}).get("step_s"):
+        derived["nvmeswap step / DeepSpeed NVMe step"] = round(
+            byrun["nvmeswap"]["step_s"] / byrun["deepspeed_nvme"]["step_s"], 3
+        )
+    if byrun.get("nvmeswap", {}).get("opt_vs_bound"):
+        derived["nvmeswap optimizer phase / disk bound"] = round(byrun["nvmeswap"]["opt_vs_bound"], 3)
+    if "resume" in payload:
+        derived["resume bit-exact"] = payload["resume"]["bit_exact"]
+    payload["derived"] = derived
+    stem = a.out or str(OUT / ("nvmeswap_scale_small" if a.small else "nvmeswap_scale"))
+    os.makedirs(os.path.dirname(stem), exist_ok=True)
+    Path(stem + ".json").write_text(json.dumps(payload, indent=1))
+    Path(stem + ".md").write_text(_markdown(payload))
+    _plot(payload, Path(stem + ".png"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="the CI size: ~85 M params, ~1 GB of state")
@@ -449,7 +468,7 @@ def main() -> None:
         "--other-steps", type=int, help="steps of the runs other than nvmeswap (default: --steps)"
     )
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--sub-group", type=int, default=100_000_000)
+    ap.add_argument("--sub-group", type=int, default=50_000_000)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", default=",".join(RUNS))
     ap.add_argument("--folder", default="/work/scratch/nvmeswap_scale")
@@ -515,6 +534,7 @@ def main() -> None:
             r["summary"] = _summary(r, a.warmup, payload["fio"])
             payload["runs"].append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "steps"}), flush=True)
+            _write(payload, a)  # after every run: a later run's failure loses nothing
             if run == "nvmeswap" and not a.no_resume:
                 full = r
                 print("== resume: steps 1-2, save", flush=True)
@@ -537,22 +557,7 @@ def main() -> None:
     finally:
         for name in (*RUNS, "ckpt"):
             shutil.rmtree(os.path.join(a.folder, name), ignore_errors=True)
-    byrun = {r["run"]: r.get("summary", {}) for r in payload["runs"]}
-    derived: dict[str, Any] = {}
-    if byrun.get("nvmeswap", {}).get("step_s") and byrun.get("deepspeed_nvme", {}).get("step_s"):
-        derived["nvmeswap step / DeepSpeed NVMe step"] = round(
-            byrun["nvmeswap"]["step_s"] / byrun["deepspeed_nvme"]["step_s"], 3
-        )
-    if byrun.get("nvmeswap", {}).get("opt_vs_bound"):
-        derived["nvmeswap optimizer phase / disk bound"] = round(byrun["nvmeswap"]["opt_vs_bound"], 3)
-    if "resume" in payload:
-        derived["resume bit-exact"] = payload["resume"]["bit_exact"]
-    payload["derived"] = derived
-    stem = a.out or str(OUT / ("nvmeswap_scale_small" if a.small else "nvmeswap_scale"))
-    os.makedirs(os.path.dirname(stem), exist_ok=True)
-    Path(stem + ".json").write_text(json.dumps(payload, indent=1))
-    Path(stem + ".md").write_text(_markdown(payload))
-    _plot(payload, Path(stem + ".png"))
+    _write(payload, a)
     print(_markdown(payload), flush=True)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -170,11 +171,11 @@ class SwapState:
         return HEADER + (self.state_slots + (0 if self.keep_master else 1)) * segment_bytes(g.numel)
 
 
-def _mem_available() -> int | None:
+def _meminfo(key: str) -> int | None:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -183,16 +184,21 @@ def _mem_available() -> int | None:
 
 def _check_buffer_memory(count: int, capacity: int, biggest: int) -> None:
     """The RAM buffers must fit: each holds a whole sub-group's master and moments (12 bytes an
-    element), so DeepSpeed's default ``sub_group_size`` (1e9) would ask for 36 GB."""
-    need, avail = count * capacity, _mem_available()
-    if avail is not None and need > avail:
+    element), so DeepSpeed's default ``sub_group_size`` (1e9) would ask for 36 GB.  More than the
+    machine's RAM is an error; more than is available now (other processes) a warning."""
+    need = count * capacity
+    what = (
+        f"nvmeswap: {count} swap buffers of {capacity} bytes (the largest sub-group, {biggest} elements, "
+        f"with its fp32 master and moments) need {need} bytes of RAM"
+    )
+    fix = "lower zero_optimization.sub_group_size (e.g. 50000000: 0.6 GB a buffer) or nvmeswap.buffer_count"
+    total, avail = _meminfo("MemTotal"), _meminfo("MemAvailable")
+    if total is not None and need > total:
         from zerohooks import ConfigError
 
-        raise ConfigError(
-            f"nvmeswap: {count} swap buffers of {capacity} bytes (the largest sub-group, {biggest} elements, "
-            f"with its fp32 master and moments) need {need} bytes of RAM, more than the {avail} available; "
-            "lower zero_optimization.sub_group_size (e.g. 100000000: 1.2 GB a buffer) or nvmeswap.buffer_count"
-        )
+        raise ConfigError(f"{what}, more than this machine's {total}; {fix}")
+    if avail is not None and need > avail:
+        warnings.warn(f"{what}, more than the {avail} available now; {fix}", RuntimeWarning, stacklevel=3)
 
 
 # -- layout ---------------------------------------------------------------------------------------
