@@ -14,7 +14,7 @@ where the 16-bit partition lies.
 from __future__ import annotations
 
 import atexit
-import functools
+import contextlib
 import os
 import warnings
 import weakref
@@ -25,7 +25,7 @@ import torch
 from typing_extensions import override
 
 import zerohooks
-from nvmeswap import adam, fused, io, swapper
+from nvmeswap import adam, checkpoint, deferred, fused, io, swapper
 from nvmeswap.config import NvmeSwapConfig, rewrite_offload
 from nvmeswap.folder import FolderClaim, prepare
 from nvmeswap.swapfile import SwapCorruptionError
@@ -78,6 +78,12 @@ class NvmeSwapPlugin(ZeroPlugin):
     @override
     def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
         self.base_folder = rewrite_offload(ds_config, self.cfg)
+
+    @override
+    def building(self) -> contextlib.AbstractContextManager[None]:
+        # no fp32 master or gradient buffer is made for a swapped sub-group while DeepSpeed builds
+        # the engine (it would need 8 bytes a parameter of RAM at once): see nvmeswap.deferred
+        return deferred.deferred_masters(self.cfg.min_swap_numel, self.cfg.keep_master_in_ram)
 
     @override
     def attach(self, registry: HookRegistry, ctx: SetupContext) -> None:
@@ -327,53 +333,24 @@ def _install(att: Any, opt: Any, state: SwapState, fuse: bool) -> None:
 
 
 def _install_checkpoint(att: Any, opt: Any, state: SwapState) -> None:
-    """DeepSpeed saves and loads the optimizer as CPU offload: everything resident meanwhile."""
+    """Checkpoints in DeepSpeed's CPU-offload format, streamed from and to the swap files
+    (:mod:`nvmeswap.checkpoint`); refreshing the masters from the 16-bit weights (a module-only
+    load) makes the state resident meanwhile."""
     engine = att.engine
-
-    def all_in() -> None:
-        for i in state.order:
-            swapper.swap_in(state, i, prefetch=False)
-
-    def all_out() -> None:
-        for i in state.order:
-            swapper.swap_out(state, i)
-        swapper.flush(state)
-
-    depth = [0]  # re-entrant: a load that refreshes the masters nests one wrapped call in another
-
-    def resident(original: Callable[..., Any]) -> Callable[..., Any]:
-        """``original`` (a checkpoint save or load) run with every sub-group in RAM."""
-
-        @functools.wraps(original)
-        def run(*args: Any, **kwargs: Any) -> Any:
-            if depth[0]:
-                return original(*args, **kwargs)
-            depth[0] += 1
-            _ensure_slots(state)
-            all_in()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                all_out()
-                _trim_slots(state)
-                depth[0] -= 1
-
-        return run
-
-    att.patch(engine, "_save_zero_checkpoint", resident, "DeepSpeedEngine")
-    att.patch(engine, "_load_zero_checkpoint", resident, "DeepSpeedEngine")
+    att.patch(
+        engine, "_save_zero_checkpoint", lambda f: checkpoint.streamed_save(state, f), "DeepSpeedEngine"
+    )
+    att.patch(
+        engine,
+        "_load_zero_checkpoint",
+        lambda f: checkpoint.streamed_load(state, engine, f),
+        "DeepSpeedEngine",
+    )
     # load_checkpoint(load_module_only=True / load_optimizer_states=False) refreshes the fp32
     # masters from the loaded 16-bit weights instead (refresh_fp32_params goes through it too)
-    att.patch(engine.optimizer, "_restore_from_bit16_weights", resident, "DeepSpeedZeroOptimizer_Stage3")
-
-
-def _ensure_slots(state: SwapState) -> None:
-    """Checkpointing makes every sub-group resident at once: enough buffers for that."""
-    while len(state.slots) < len(state.order):
-        state.slots.append(swapper.Slot(state.capacity, state.make_engine()))
-
-
-def _trim_slots(state: SwapState) -> None:
-    """Back to ``buffer_count`` buffers once a checkpoint is saved or loaded."""
-    swapper.flush(state)
-    del state.slots[state.buffer_count :]
+    att.patch(
+        engine.optimizer,
+        "_restore_from_bit16_weights",
+        lambda f: checkpoint.resident(state, f),
+        "DeepSpeedZeroOptimizer_Stage3",
+    )
