@@ -14,7 +14,7 @@ where the 16-bit partition lies.
 from __future__ import annotations
 
 import atexit
-import functools
+import contextlib
 import os
 import warnings
 import weakref
@@ -25,34 +25,17 @@ import torch
 from typing_extensions import override
 
 import zerohooks
-from nvmeswap import adam, fused, io, swapper
+from nvmeswap import adam, checkpoint, deferred, fused, io, swapper
 from nvmeswap.config import NvmeSwapConfig, rewrite_offload
 from nvmeswap.folder import FolderClaim, prepare
 from nvmeswap.swapfile import SwapCorruptionError
 from nvmeswap.swapper import SwapState
-from zerohooks import ConfigError, PluginConfig, SetupContext, StepContext, ZeroPlugin
+from zerohooks import ConfigError, PluginConfig, SetupContext, StepContext, ZeroPlugin, surface
 from zerohooks.registry import HookRegistry
 
 __all__ = ["NvmeSwapPlugin"]
 
 _OPT = "DeepSpeedZeroOptimizer_Stage3"
-_NEEDED = (
-    "fp32_partitioned_groups_flat",
-    "fp16_partitioned_groups_flat_numel",
-    "grad_position",
-    "norm_for_param_grads",
-    "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition",
-    "_offload_grad_partition_at_boundary",
-    "_prepare_sub_group",
-    "_release_sub_group",
-    "_get_fp32_grad_state_partition",
-    "_get_fp32_opt_state_partition",
-    "_constant_buffered_norm2",
-    "unscale_and_clip_grads",
-    "_optimizer_step",
-    "sub_group_to_group_id",
-)
-_SETTERS = ("set_fp32_grad_for_param", "set_local_grad_for_param")
 _PARAM_SETTERS = ("set_full_hp_param", "set_local_hp_param")
 
 
@@ -77,6 +60,12 @@ class NvmeSwapPlugin(ZeroPlugin):
         self.base_folder = rewrite_offload(ds_config, self.cfg)
 
     @override
+    def building(self) -> contextlib.AbstractContextManager[None]:
+        # no fp32 master or gradient buffer is made for a swapped sub-group while DeepSpeed builds
+        # the engine (it would need 8 bytes a parameter of RAM at once): see nvmeswap.deferred
+        return deferred.deferred_masters(self.cfg.min_swap_numel, self.cfg.keep_master_in_ram)
+
+    @override
     def attach(self, registry: HookRegistry, ctx: SetupContext) -> None:
         if self.base_folder is None:
             raise RuntimeError("nvmeswap: attach() before edit_deepspeed_config() (use zerohooks.initialize)")
@@ -91,7 +80,12 @@ class NvmeSwapPlugin(ZeroPlugin):
         att = zerohooks.attachment(engine)
         assert att is not None and self.base_folder is not None
         opt = engine.optimizer
-        missing = [n for n in _NEEDED if not hasattr(opt, n)]
+        needed = surface.needed(3, [self.name])
+        missing = [
+            i.name
+            for i in needed
+            if i.user == self.name and i.owner == surface.ZERO3 and not hasattr(opt, i.name)
+        ]
         if missing:
             raise ConfigError(
                 f"nvmeswap: the ZeRO-3 optimizer ({type(opt).__name__}) lacks {missing}; this DeepSpeed "
@@ -194,6 +188,9 @@ def _fused_choice(cfg: NvmeSwapConfig, opt: Any) -> bool:
 def _install(att: Any, opt: Any, state: SwapState, fuse: bool) -> None:
     """Per-instance patches of the ZeRO-3 optimizer (undone by ``zerohooks.detach``); ``fuse``:
     step swapped sub-groups with the fused Adam kernel whenever the optimizer allows it."""
+    # Why patches, not a seam: nvmeswap replaces DeepSpeed's whole ZeRO-3 NVMe path (sub-group
+    # prepare/release, the boundary hand-off, the fp32 state accessors, the step, checkpoints) with
+    # its own swapper, a path no other plugin takes; every name is in zerohooks.surface.SURFACE.
     groups = state.groups
 
     def make_boundary(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -324,53 +321,24 @@ def _install(att: Any, opt: Any, state: SwapState, fuse: bool) -> None:
 
 
 def _install_checkpoint(att: Any, opt: Any, state: SwapState) -> None:
-    """DeepSpeed saves and loads the optimizer as CPU offload: everything resident meanwhile."""
+    """Checkpoints in DeepSpeed's CPU-offload format, streamed from and to the swap files
+    (:mod:`nvmeswap.checkpoint`); refreshing the masters from the 16-bit weights (a module-only
+    load) makes the state resident meanwhile."""
     engine = att.engine
-
-    def all_in() -> None:
-        for i in state.order:
-            swapper.swap_in(state, i, prefetch=False)
-
-    def all_out() -> None:
-        for i in state.order:
-            swapper.swap_out(state, i)
-        swapper.flush(state)
-
-    depth = [0]  # re-entrant: a load that refreshes the masters nests one wrapped call in another
-
-    def resident(original: Callable[..., Any]) -> Callable[..., Any]:
-        """``original`` (a checkpoint save or load) run with every sub-group in RAM."""
-
-        @functools.wraps(original)
-        def run(*args: Any, **kwargs: Any) -> Any:
-            if depth[0]:
-                return original(*args, **kwargs)
-            depth[0] += 1
-            _ensure_slots(state)
-            all_in()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                all_out()
-                _trim_slots(state)
-                depth[0] -= 1
-
-        return run
-
-    att.patch(engine, "_save_zero_checkpoint", resident, "DeepSpeedEngine")
-    att.patch(engine, "_load_zero_checkpoint", resident, "DeepSpeedEngine")
+    att.patch(
+        engine, "_save_zero_checkpoint", lambda f: checkpoint.streamed_save(state, f), "DeepSpeedEngine"
+    )
+    att.patch(
+        engine,
+        "_load_zero_checkpoint",
+        lambda f: checkpoint.streamed_load(state, engine, f),
+        "DeepSpeedEngine",
+    )
     # load_checkpoint(load_module_only=True / load_optimizer_states=False) refreshes the fp32
     # masters from the loaded 16-bit weights instead (refresh_fp32_params goes through it too)
-    att.patch(engine.optimizer, "_restore_from_bit16_weights", resident, "DeepSpeedZeroOptimizer_Stage3")
-
-
-def _ensure_slots(state: SwapState) -> None:
-    """Checkpointing makes every sub-group resident at once: enough buffers for that."""
-    while len(state.slots) < len(state.order):
-        state.slots.append(swapper.Slot(state.capacity, state.make_engine()))
-
-
-def _trim_slots(state: SwapState) -> None:
-    """Back to ``buffer_count`` buffers once a checkpoint is saved or loaded."""
-    swapper.flush(state)
-    del state.slots[state.buffer_count :]
+    att.patch(
+        engine.optimizer,
+        "_restore_from_bit16_weights",
+        lambda f: checkpoint.resident(state, f),
+        "DeepSpeedZeroOptimizer_Stage3",
+    )

@@ -14,11 +14,13 @@ read ahead while the current one is stepped and the previous one is written.
 from __future__ import annotations
 
 import os
+import time
+import warnings
 from typing import Any
 
 import torch
 
-from nvmeswap import io
+from nvmeswap import deferred, io
 from nvmeswap.swapfile import (
     HEADER,
     SwapCorruptionError,
@@ -31,7 +33,7 @@ from nvmeswap.swapfile import (
 
 __all__ = ["Slot", "SubGroup", "SwapState", "build_gradient", "flush", "swap_in", "swap_out"]
 
-_EMPTY = torch.empty(0, dtype=torch.float32)
+EMPTY = torch.empty(0, dtype=torch.float32)
 
 
 class SubGroup:
@@ -82,6 +84,7 @@ class SwapState:
         "bytes_written",
         "capacity",
         "clock",
+        "depth",
         "folder",
         "fused",
         "fused_steps",
@@ -89,6 +92,7 @@ class SwapState:
         "grad_positions",
         "grad_scales",
         "groups",
+        "io_wait",
         "keep_master",
         "make_engine",
         "needs_sync",
@@ -133,9 +137,12 @@ class SwapState:
         self.capacity = HEADER + (state_slots + (0 if keep_master else 1)) * segment_bytes(biggest)
         self.make_engine = make_engine
         self.buffer_count = min(buffer_count, max(len(sub_groups), 1))
+        _check_buffer_memory(self.buffer_count, self.capacity, biggest)
         self.slots = [Slot(self.capacity, make_engine()) for _ in range(self.buffer_count)]
         self.clock = 0
-        self.scratch = _EMPTY
+        self.depth = 0
+        """Nesting of calls that make every sub-group resident (checkpoint.resident)."""
+        self.scratch = EMPTY
         """The fp32 gradient of the sub-group being stepped (one buffer, reused; made on first use,
         never when every step is fused)."""
         self.pending_grads: dict[int, dict[int, torch.Tensor]] = {}
@@ -157,13 +164,45 @@ class SwapState:
         """A recorded gradient was copied from an accelerator asynchronously: synchronise first."""
         self.bytes_read = 0
         self.bytes_written = 0
+        self.io_wait = 0.0
+        """Seconds spent waiting for reads and writes to finish (the step blocked on the disk)."""
 
     def file_bytes(self, g: SubGroup) -> int:
         return HEADER + (self.state_slots + (0 if self.keep_master else 1)) * segment_bytes(g.numel)
 
 
+def _meminfo(key: str) -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_buffer_memory(count: int, capacity: int, biggest: int) -> None:
+    """The RAM buffers must fit: each holds a whole sub-group's master and moments (12 bytes an
+    element), so DeepSpeed's default ``sub_group_size`` (1e9) would ask for 36 GB.  More than the
+    machine's RAM is an error; more than is available now (other processes) a warning."""
+    need = count * capacity
+    what = (
+        f"nvmeswap: {count} swap buffers of {capacity} bytes (the largest sub-group, {biggest} elements, "
+        f"with its fp32 master and moments) need {need} bytes of RAM"
+    )
+    fix = "lower zero_optimization.sub_group_size (e.g. 50000000: 0.6 GB a buffer) or nvmeswap.buffer_count"
+    total, avail = _meminfo("MemTotal"), _meminfo("MemAvailable")
+    if total is not None and need > total:
+        from zerohooks import ConfigError
+
+        raise ConfigError(f"{what}, more than this machine's {total}; {fix}")
+    if avail is not None and need > avail:
+        warnings.warn(f"{what}, more than the {avail} available now; {fix}", RuntimeWarning, stacklevel=3)
+
+
 # -- layout ---------------------------------------------------------------------------------------
-def _segments(state: SwapState, g: SubGroup, keys: tuple[str, ...]) -> list[tuple[str, int]]:
+def segments(state: SwapState, g: SubGroup, keys: tuple[str, ...]) -> list[tuple[str, int]]:
     """(name, byte offset in the file) of each segment: ``"master"`` then the state keys."""
     names = ([] if state.keep_master else ["master"]) + list(keys)
     seg = segment_bytes(g.numel)
@@ -174,9 +213,17 @@ def _view(slot: Slot, offset: int, numel: int) -> torch.Tensor:
     return slot.buffer[offset : offset + numel * 4].view(torch.float32)
 
 
-def _state_tensors(state: SwapState, g: SubGroup) -> dict[str, torch.Tensor]:
+def state_tensors(state: SwapState, g: SubGroup) -> dict[str, torch.Tensor]:
     st = state.optimizer.optimizer.state.get(g.master, {})
     return {k: v for k, v in st.items() if isinstance(v, torch.Tensor) and k in g.keys}
+
+
+def _wait(state: SwapState, engine: Any) -> None:
+    t0 = time.perf_counter()
+    try:
+        engine.wait()
+    finally:
+        state.io_wait += time.perf_counter() - t0
 
 
 # -- buffers --------------------------------------------------------------------------------------
@@ -190,7 +237,7 @@ def _acquire(state: SwapState, g: SubGroup) -> Slot:
     slot = _free_slot(state)
     if slot is None:
         raise RuntimeError("nvmeswap: every swap buffer is in use; raise nvmeswap.buffer_count")
-    slot.engine.wait()  # its previous write must be on disk before the buffer is reused
+    _wait(state, slot.engine)  # its previous write must be on disk before the buffer is reused
     slot.owner, slot.ready = g, False
     g.slot = slot
     return slot
@@ -204,9 +251,9 @@ def _read(state: SwapState, g: SubGroup) -> None:
     if g.checksum is None:
         return
     if g.writer is not None and g.writer is not slot.engine:
-        g.writer.wait()  # engines do not order requests between them
+        _wait(state, g.writer)  # engines do not order requests between them
     g.writer = None
-    nbytes = HEADER + len(_segments(state, g, g.keys)) * segment_bytes(g.numel)
+    nbytes = HEADER + len(segments(state, g, g.keys)) * segment_bytes(g.numel)
     slot.engine.submit("r", slot.buffer[:nbytes], g.path, 0)
     state.bytes_read += nbytes
 
@@ -220,10 +267,10 @@ def _finish_read(state: SwapState, g: SubGroup) -> Slot:
     assert slot is not None
     if slot.ready:
         return slot
-    slot.engine.wait()
+    _wait(state, slot.engine)
     if g.checksum is not None:
         meta = decode_header(slot.buffer, g.path)
-        nbytes = len(_segments(state, g, g.keys)) * segment_bytes(g.numel)
+        nbytes = len(segments(state, g, g.keys)) * segment_bytes(g.numel)
         payload = slot.buffer[HEADER : HEADER + nbytes]
         got = io.checksum(payload, int(meta.get("algorithm", 0)))  # type: ignore[call-overload]
         if got != meta.get("checksum") or got != g.checksum or meta.get("generation") != g.generation:
@@ -245,12 +292,12 @@ def swap_in(state: SwapState, index: int, prefetch: bool = True) -> None:
         return
     _read(state, g)
     slot = _finish_read(state, g)
-    segs = dict(_segments(state, g, g.keys))
+    segs = dict(segments(state, g, g.keys))
     if not state.keep_master:
         if g.checksum is None:  # first use: the master is still DeepSpeed's own tensor
             raise AssertionError("nvmeswap: sub-group swapped in before it was written")
         g.master.data = _view(slot, segs["master"], g.numel)
-    for key, t in _state_tensors(state, g).items():
+    for key, t in state_tensors(state, g).items():
         t.data = _view(slot, segs[key], g.numel)
     state.resident.add(index)
     if prefetch:
@@ -280,7 +327,7 @@ def swap_out(state: SwapState, index: int, write: bool = True) -> None:
         slot = _acquire(state, g)
         slot.ready = True
     g.keys = keys
-    segs = _segments(state, g, keys)
+    segs = segments(state, g, keys)
     sources = ([] if state.keep_master else [g.master]) + [opt_state[k] for k in keys]
     for (_, off), t in zip(segs, sources, strict=True):
         dst = _view(slot, off, g.numel)
@@ -306,9 +353,9 @@ def swap_out(state: SwapState, index: int, write: bool = True) -> None:
         g.writer = slot.engine
         state.bytes_written += HEADER + nbytes
     if not state.keep_master:
-        g.master.data = _EMPTY
+        g.master.data = EMPTY
     for k in keys:
-        opt_state[k].data = _EMPTY
+        opt_state[k].data = EMPTY
     state.resident.discard(index)
     state.clock += 1
     slot.owner, slot.ready, slot.released = None, False, state.clock
@@ -318,7 +365,7 @@ def swap_out(state: SwapState, index: int, write: bool = True) -> None:
 def flush(state: SwapState) -> None:
     """Wait for every outstanding read and write."""
     for s in state.slots:
-        s.engine.wait()
+        _wait(state, s.engine)
 
 
 def initialise(state: SwapState) -> None:
@@ -328,6 +375,9 @@ def initialise(state: SwapState) -> None:
     for i in state.order:
         g = state.groups[i]
         g.master.grad = None  # DeepSpeed's per-sub-group fp32 gradient buffer: not needed
+        master = deferred.materialise(state.optimizer, i)  # not made while DeepSpeed built the engine
+        if master is not None:
+            g.master.data = master
         swap_out(state, i)
     flush(state)
 
@@ -398,7 +448,7 @@ def _restore(state: SwapState) -> None:
         swap_in(state, i, prefetch=False)
         if not state.keep_master:
             g.master.data = g.master.data.clone()
-        for t in _state_tensors(state, g).values():
+        for t in state_tensors(state, g).values():
             t.data = t.data.clone()
         g.master.grad = torch.zeros(g.numel, dtype=torch.float32)
         state.resident.discard(i)

@@ -153,20 +153,10 @@ def initialize(*args: Any, plugins: Sequence[ZeroPlugin] = (), **kwargs: Any) ->
         watchdog.agree(failure, "the plugins' set-up in zerohooks.initialize")
     elif failure is not None:
         raise failure
-    if from_args:
-        # DeepSpeed refuses a config in both args and config=: hand it over in config= and lift
-        # it from the caller's args for the call only (DeepSpeed writes args.local_rank back
-        # into the caller's own object, as without zerohooks)
-        params["config"] = ds_config
-        try:
-            ds_args.deepspeed_config = None
-            result = ds_initialize(*bound.args, **bound.kwargs)
-        finally:
-            ds_args.deepspeed_config = source
-    else:
-        if source is not None:
-            params["config"] = ds_config
-        result = ds_initialize(*bound.args, **bound.kwargs)
+    with contextlib.ExitStack() as building:
+        for p in enabled:
+            building.enter_context(p.building())
+        result = _build(ds_initialize, bound, params, ds_args, source, ds_config, from_args)
     engine = result[0]
     if ctx is None:
         ctx = engine_context(engine, ds_config)
@@ -193,6 +183,33 @@ def initialize(*args: Any, plugins: Sequence[ZeroPlugin] = (), **kwargs: Any) ->
                 with contextlib.suppress(Exception):
                     p.close()
         raise
+    return result
+
+
+def _build(
+    ds_initialize: Any,
+    bound: inspect.BoundArguments,
+    params: dict[str, Any],
+    ds_args: Any,
+    source: Any,
+    ds_config: dict[str, Any],
+    from_args: Any,
+) -> Any:
+    """DeepSpeed's own ``initialize`` on the edited config."""
+    if from_args:
+        # DeepSpeed refuses a config in both args and config=: hand it over in config= and lift
+        # it from the caller's args for the call only (DeepSpeed writes args.local_rank back
+        # into the caller's own object, as without zerohooks)
+        params["config"] = ds_config
+        try:
+            ds_args.deepspeed_config = None
+            result = ds_initialize(*bound.args, **bound.kwargs)
+        finally:
+            ds_args.deepspeed_config = source
+    else:
+        if source is not None:
+            params["config"] = ds_config
+        result = ds_initialize(*bound.args, **bound.kwargs)
     return result
 
 

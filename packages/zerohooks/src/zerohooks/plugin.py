@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections.abc import Callable
@@ -178,6 +179,13 @@ class ZeroPlugin:
 
     def attach(self, registry: HookRegistry, ctx: SetupContext) -> None:
         """Register hooks.  Called before the model is prepared and DeepSpeed is initialised."""
+
+    def building(self) -> contextlib.AbstractContextManager[None]:
+        """A context entered around DeepSpeed's own engine construction (after :meth:`attach`, in
+        the thread that calls ``zerohooks.initialize``) and exited when ``deepspeed.initialize``
+        returns or raises: for a plugin that must act while DeepSpeed builds its optimizer (e.g.
+        not materialising state it will swap out).  The default does nothing."""
+        return contextlib.nullcontext()
 
     def engine_ready(self, engine: Any, registry: HookRegistry) -> None:
         """The engine exists and the adapter is attached: allocate buffers, read partitions."""

@@ -1,0 +1,176 @@
+"""Checkpoints of a swapped optimizer, streamed: the state on disk never passes through RAM whole.
+
+DeepSpeed saves and loads the ZeRO-3 optimizer in its CPU-offload format (the fp32 flat groups and
+the torch optimizer's state dict) through its own code, which needs every sub-group's master and
+moments as tensors at once: 12 bytes a parameter, 24 GB for a 2 B-parameter model, more than the
+RAM that made swapping necessary.  Instead:
+
+* save: after the outstanding writes are done, each swapped sub-group's master and moment tensors
+  become views of a private, read-only memory map of its swap file (:func:`mapped`), so
+  ``torch.save`` copies the file's pages (page cache, which the kernel may drop at any time) into
+  the checkpoint; no anonymous memory is allocated, and the tensors go back to holding nothing.
+  The checkpoint's format is DeepSpeed's own (``zero_to_fp32`` consolidates it); each sub-group's
+  tensors are views of one storage holding its swap file (header included).
+* load: DeepSpeed's ``torch.load`` of the optimizer file is made with ``mmap=True`` (the
+  checkpoint's pages are mapped, not read into RAM); each swapped master tensor takes the saved
+  tensor itself as its data (DeepSpeed's copy into it is then a no-op, and the 16-bit weights are
+  restored from it), the moments are the mapped saved tensors torch's ``load_state_dict`` keeps,
+  and then, one sub-group at a time, :func:`nvmeswap.swapper.swap_out` copies them into a swap
+  buffer and writes the swap file (new checksum and generation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from nvmeswap import swapper
+from nvmeswap.swapper import SwapState
+
+__all__ = ["mapped", "resident", "streamed_load", "streamed_save"]
+
+
+def ensure_slots(state: SwapState) -> None:
+    """Enough buffers for every sub-group to be resident at once."""
+    while len(state.slots) < len(state.order):
+        state.slots.append(swapper.Slot(state.capacity, state.make_engine()))
+
+
+def trim_slots(state: SwapState) -> None:
+    """Back to ``buffer_count`` buffers."""
+    swapper.flush(state)
+    del state.slots[state.buffer_count :]
+
+
+def resident(state: SwapState, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` run with every sub-group in RAM (12 bytes a parameter; re-entrant): for
+    DeepSpeed's refresh of the masters from the 16-bit weights, and a load without optimizer
+    states."""
+
+    @functools.wraps(original)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if state.depth:
+            return original(*args, **kwargs)
+        state.depth += 1
+        ensure_slots(state)
+        for i in state.order:
+            swapper.swap_in(state, i, prefetch=False)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for i in state.order:
+                swapper.swap_out(state, i)
+            trim_slots(state)
+            state.depth -= 1
+
+    return run
+
+
+def mapped(state: SwapState, g: swapper.SubGroup) -> dict[str, torch.Tensor]:
+    """``g``'s master (unless kept in RAM) and moments as views of a private memory map of its
+    swap file (read-only use: a write would copy the page, never reach the file)."""
+    whole = torch.from_file(g.path, shared=False, size=state.file_bytes(g), dtype=torch.uint8)
+    out = {}
+    for name, off in swapper.segments(state, g, g.keys):
+        out[name] = whole[off : off + g.numel * 4].view(torch.float32)
+    return out
+
+
+def _empty_all(state: SwapState) -> None:
+    for i in state.order:
+        g = state.groups[i]
+        if not state.keep_master:
+            g.master.data = swapper.EMPTY
+        for t in swapper.state_tensors(state, g).values():
+            t.data = swapper.EMPTY
+
+
+def streamed_save(state: SwapState, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` (DeepSpeed's ``_save_zero_checkpoint``) run with every swapped sub-group's
+    tensors mapped from its swap file."""
+
+    @functools.wraps(original)
+    def save(*args: Any, **kwargs: Any) -> Any:
+        if state.resident:
+            raise RuntimeError(
+                f"nvmeswap: checkpoint saved while sub-groups {sorted(state.resident)} are stepped"
+            )
+        swapper.flush(state)
+        try:
+            for i in state.order:
+                g = state.groups[i]
+                if g.checksum is None:
+                    continue
+                views = mapped(state, g)
+                if "master" in views:
+                    g.master.data = views.pop("master")
+                for key, t in swapper.state_tensors(state, g).items():
+                    t.data = views[key]
+            return original(*args, **kwargs)
+        finally:
+            _empty_all(state)
+
+    return save
+
+
+@contextlib.contextmanager
+def _mmap_torch_load(engine: Any) -> Iterator[None]:
+    """DeepSpeed's torch checkpoint engine loads with ``mmap=True`` meanwhile (other checkpoint
+    engines are left as they are)."""
+    ce: Any = getattr(engine, "checkpoint_engine", None)
+    if type(ce).__name__ != "TorchCheckpointEngine" or "load" in vars(ce):
+        yield
+        return
+
+    def load(path: str, map_location: Any = None) -> Any:
+        return torch.load(path, map_location=map_location, weights_only=False, mmap=True)
+
+    ce.load = load
+    try:
+        yield
+    finally:
+        del ce.load
+
+
+def streamed_load(state: SwapState, engine: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` (DeepSpeed's ``_load_zero_checkpoint``) with the checkpoint mapped and the
+    swapped sub-groups written back to their swap files one at a time."""
+    opt = engine.optimizer
+    rigid = opt._rigid_load_state_dict
+
+    def rigid_load(state_dict: Any, load_optimizer_states: bool = True) -> Any:
+        if not load_optimizer_states:  # the moments stay as they are: everything resident meanwhile
+            return resident(state, rigid)(state_dict, load_optimizer_states)
+        if not state.keep_master:  # DeepSpeed's copy into the master is then a no-op
+            saved = state_dict["fp32_flat_groups"]
+            for i in state.order:
+                state.groups[i].master.data = saved[i].data
+        try:
+            out = rigid(state_dict, load_optimizer_states)
+            for i in state.order:  # each sub-group through a swap buffer to its file
+                swapper.swap_out(state, i)
+            swapper.flush(state)
+            return out
+        except BaseException:
+            _empty_all(state)
+            raise
+
+    @functools.wraps(original)
+    def load(*args: Any, **kwargs: Any) -> Any:
+        if state.resident:
+            raise RuntimeError(
+                f"nvmeswap: checkpoint loaded while sub-groups {sorted(state.resident)} are stepped"
+            )
+        swapper.flush(state)
+        opt._rigid_load_state_dict = rigid_load
+        try:
+            with _mmap_torch_load(engine):
+                return original(*args, **kwargs)
+        finally:
+            del opt._rigid_load_state_dict
+
+    return load

@@ -1,0 +1,42 @@
+"""The 2 B-parameter benchmark's path (``benchmarks/bench_nvmeswap_scale.py``) at the CI size: an
+85 M-parameter GPT (about 1 GB of fp32 optimizer state) built under ``zero.Init`` in bf16, trained
+by nvmeswap in its own process for 3 steps.  The kernel's own count of the bytes the process read
+from and wrote to the disk (``/proc/self/io``) must be 12.00 a parameter each way in a steady step
+(master + 2 moments, never a gradient), the loss must fall, and no swap file may stay behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_nvmeswap_scale.py"
+
+
+@pytest.mark.skipif(not BENCH.exists(), reason="needs the repository's benchmarks/ folder")
+def test_small_scale_run_moves_twelve_bytes_per_parameter(tmp_path: Path) -> None:
+    folder = tmp_path / "swap"
+    out = tmp_path / "result"
+    cmd = [sys.executable, str(BENCH), "--small", "--runs", "nvmeswap", "--steps", "3", "--no-resume", "--no-fio",
+           "--folder", str(folder), "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ), check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    payload = json.loads(Path(str(out) + ".json").read_text())
+    (run,) = payload["runs"]
+    assert run["rc"] == 0, run
+    assert 80e6 < run["params"] < 90e6  # ~1 GB of fp32 optimizer state
+    steps = run["steps"]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    # step 1 reads the masters only (the moments do not exist yet): 4 bytes; writes all 12
+    assert steps[0]["read_per_param"] == pytest.approx(4.0, abs=0.02)
+    for s in steps:
+        assert s["write_per_param"] == pytest.approx(12.0, abs=0.02), s
+    for s in steps[1:]:
+        assert s["read_per_param"] == pytest.approx(12.0, abs=0.02), s
+    losses = [s["loss"] for s in steps]
+    assert losses[0] > losses[1] > losses[2]
+    assert sorted(os.listdir(folder)) == [], "swap files left behind"
