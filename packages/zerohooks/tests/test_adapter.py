@@ -13,7 +13,7 @@ import torch
 import zerohooks
 from zerohooks import ConfigError, DeepSpeedInternalMissing
 from zerohooks.adapter import attach
-from zerohooks.initialize import setup_context
+from zerohooks.dsconfig import setup_context
 from zerohooks.registry import HookRegistry
 from zerohooks.testing import MultiRankError, distributed, run_distributed
 from zerohooks.testing.recording import RecordingPlugin

@@ -7,7 +7,7 @@ import pytest
 
 import zerohooks
 from zerohooks import PluginConfig, PluginInUseError, ZeroPlugin
-from zerohooks.initialize import setup_context
+from zerohooks.dsconfig import setup_context
 from zerohooks.registry import HookRegistry
 from zerohooks.testing import distributed
 from zerohooks.testing.recording import RecordingPlugin

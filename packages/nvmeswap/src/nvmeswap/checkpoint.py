@@ -89,17 +89,22 @@ def _empty_all(state: SwapState) -> None:
             t.data = swapper.EMPTY
 
 
+def _settle(state: SwapState, what: str) -> None:
+    """No sub-group is being stepped, and every swap write has landed (before a checkpoint)."""
+    if state.resident:
+        raise RuntimeError(
+            f"nvmeswap: checkpoint {what} while sub-groups {sorted(state.resident)} are stepped"
+        )
+    swapper.flush(state)
+
+
 def streamed_save(state: SwapState, original: Callable[..., Any]) -> Callable[..., Any]:
     """``original`` (DeepSpeed's ``_save_zero_checkpoint``) run with every swapped sub-group's
     tensors mapped from its swap file."""
 
     @functools.wraps(original)
     def save(*args: Any, **kwargs: Any) -> Any:
-        if state.resident:
-            raise RuntimeError(
-                f"nvmeswap: checkpoint saved while sub-groups {sorted(state.resident)} are stepped"
-            )
-        swapper.flush(state)
+        _settle(state, "saved")
         try:
             for i in state.order:
                 g = state.groups[i]
@@ -161,11 +166,7 @@ def streamed_load(state: SwapState, engine: Any, original: Callable[..., Any]) -
 
     @functools.wraps(original)
     def load(*args: Any, **kwargs: Any) -> Any:
-        if state.resident:
-            raise RuntimeError(
-                f"nvmeswap: checkpoint loaded while sub-groups {sorted(state.resident)} are stepped"
-            )
-        swapper.flush(state)
+        _settle(state, "loaded")
         opt._rigid_load_state_dict = rigid_load
         try:
             with _mmap_torch_load(engine):

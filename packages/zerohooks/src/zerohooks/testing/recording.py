@@ -79,7 +79,7 @@ class RecordingPlugin(ZeroPlugin):
     Config = RecordingConfig
 
     def __init__(self, config: PluginConfig | None = None) -> None:
-        super().__init__(config or RecordingConfig())
+        super().__init__(config)
         self.events: list[Event] = []
         self.ctx: StepContext | None = None
         self.param_names: dict[int, str] = {}
