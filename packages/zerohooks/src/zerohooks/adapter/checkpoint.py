@@ -409,6 +409,13 @@ def _guarded(att: Attachment, bound: inspect.BoundArguments) -> contextlib.Abstr
     tag = bound.arguments.get("tag")
     resolved = _resolve_tag(att.engine, load_dir, None if tag is None else str(tag))
     folder = None if resolved is None else os.path.join(load_dir, resolved)
+    folders = [] if folder is None else [folder]
+    stage3 = getattr(att.engine, "zero_optimization_partition_weights", lambda: False)()
+    if stage3 and not bool(bound.arguments.get("load_optimizer_states", True)):
+        # DeepSpeed then reads the fp32 weights of the checkpoint 'latest' names, whatever the tag
+        latest = read_latest(load_dir)
+        if latest is not None and os.path.join(load_dir, latest) not in folders:
+            folders.append(os.path.join(load_dir, latest))
     rank = _rank_world()[0]
 
     def agree(found: str | None) -> None:
@@ -421,7 +428,7 @@ def _guarded(att: Attachment, bound: inspect.BoundArguments) -> contextlib.Abstr
                 f"(and the classes the enabled plugins declare). {dsfiles.TRUST_HINT}"
             )
 
-    return dsfiles.guarded(att, folder, rank, agree)
+    return dsfiles.guarded(att, folders, rank, agree)
 
 
 def install_checkpoint_patches(att: Attachment) -> None:

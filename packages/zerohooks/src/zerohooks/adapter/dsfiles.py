@@ -190,10 +190,10 @@ def trusted() -> bool:
 
 @contextlib.contextmanager
 def guarded(
-    att: Attachment, folder: str | None, rank: int, agree: Callable[[str | None], None]
+    att: Attachment, folders: list[str], rank: int, agree: Callable[[str | None], None]
 ) -> Iterator[None]:
-    """The body of one ``load_checkpoint``: the scan of ``folder`` (None: DeepSpeed finds nothing
-    to load), agreed on by every rank through ``agree`` (which raises for a failure anywhere), and
+    """The body of one ``load_checkpoint``: the scan of the tag ``folders`` DeepSpeed may read,
+    agreed on by every rank through ``agree`` (which raises for a failure anywhere), and
     the weights-only reader installed around it.  Inside :func:`trust_checkpoint_code` nothing is
     scanned or replaced (the ranks still agree, so that a rank outside the context cannot wait
     alone)."""
@@ -202,7 +202,9 @@ def guarded(
         yield
         return
     allowed = allowed_globals(att)
-    found = scan(folder, allowed, rank) if folder is not None and os.path.isdir(folder) else None
+    found = None
+    for folder in folders:
+        found = found or (scan(folder, allowed, rank) if os.path.isdir(folder) else None)
     agree(found)
     with _engine_load(att, allowed, rank):
         yield
