@@ -110,6 +110,7 @@ class AutocastZeroPlugin(ZeroPlugin):
     name = "autocastzero"
     distribution = "zerohooks-autocastzero"
     Config = AutocastZeroConfig
+    checkpoint_classes = (ScaleState, ZeroLossScaler)  # DeepSpeed saves the ZeRO loss scaler it was given
 
     def __init__(self, config: PluginConfig | None = None) -> None:
         super().__init__(config or AutocastZeroConfig())

@@ -78,6 +78,11 @@ class ZeroPlugin:
     """The pip distribution that provides the plugin, named in error messages."""
     Config: ClassVar[type[PluginConfig]] = PluginConfig
     """Pydantic model of the config section."""
+    checkpoint_classes: ClassVar[tuple[type, ...]] = ()
+    """Classes of this plugin that DeepSpeed pickles into its own checkpoint files (a loss scaler
+    it saves with the optimizer state): ``load_checkpoint`` reads those files with
+    ``weights_only=True`` and allows these classes besides DeepSpeed's, for this engine only.
+    They must be plain containers that unpickling cannot make run code."""
 
     def __init__(self, config: PluginConfig) -> None:
         self.config = config
