@@ -106,6 +106,7 @@ class AutocastZeroPlugin(ZeroPlugin):
     distribution = "zerohooks-autocastzero"
     Config = AutocastZeroConfig
     cfg: AutocastZeroConfig
+    checkpoint_classes = (ScaleState, ZeroLossScaler)  # DeepSpeed saves the ZeRO loss scaler it was given
 
     def __init__(self, config: PluginConfig | None = None) -> None:
         super().__init__(config)

@@ -22,6 +22,7 @@ announce_deepspeed_op_builds()  # DeepSpeed's minutes-long JIT builds say so whe
 
 from zerohooks import exitguard, watchdog  # noqa: E402  (exitguard: gloo exits without std::terminate)
 from zerohooks.adapter import Attachment, attachment, detach, step_context  # noqa: E402
+from zerohooks.adapter.dsfiles import trust_checkpoint_code  # noqa: E402
 from zerohooks.config import ENTRY_POINT_GROUP, KNOWN_PLUGINS, available_plugins  # noqa: E402
 from zerohooks.counters import CommCounters  # noqa: E402
 from zerohooks.enable import enable, enabled  # noqa: E402
@@ -86,5 +87,6 @@ __all__ = [
     "next_loss_scale",
     "skip_deepspeed_compiles",
     "step_context",
+    "trust_checkpoint_code",
     "watchdog",
 ]

@@ -82,6 +82,11 @@ class ZeroPlugin:
     native: ClassVar[tuple[NativeExtension, ...]] = ()
     """The plugin's just-in-time C++/CUDA extensions (:class:`zerohooks.native.NativeExtension`),
     which ``python -m zerohooks.build <name>`` builds ahead of time."""
+    checkpoint_classes: ClassVar[tuple[type, ...]] = ()
+    """Classes of this plugin that DeepSpeed pickles into its own checkpoint files (a loss scaler
+    it saves with the optimizer state): ``load_checkpoint`` reads those files with
+    ``weights_only=True`` and allows these classes besides DeepSpeed's, for this engine only.
+    They must be plain containers that unpickling cannot make run code."""
 
     cfg: PluginConfig
     """The same object as :attr:`config`; a subclass narrows its type with an annotation

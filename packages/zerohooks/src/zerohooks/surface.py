@@ -50,17 +50,30 @@ class Internal:
 
 
 def _entries(
-    user: str, owner: str, stages: Iterable[int], patch: str = "", read: str = "", optional: str = ""
+    user: str,
+    owner: str,
+    stages: Iterable[int],
+    patch: str = "",
+    read: str = "",
+    optional: str = "",
+    optional_patch: str = "",
 ) -> list[Internal]:
     """Entries from space-separated names; a leading ``__`` stands for ZeRO 3's name mangling."""
     st = frozenset(stages)
 
-    def name(n: str) -> str:
-        return _Z3_PRIVATE + n[2:] if n.startswith("__") else n
+    def make(names: str, patched: bool, spare: bool) -> list[Internal]:
+        out = []
+        for n in names.split():
+            name = _Z3_PRIVATE + n[2:] if n.startswith("__") else n
+            out.append(Internal(owner, name, st, user, patched, optional=spare))
+        return out
 
-    patched = [Internal(owner, name(n), st, user, True) for n in patch.split()]
-    spare = [Internal(owner, name(n), st, user, True, optional=True) for n in optional.split()]
-    return patched + spare + [Internal(owner, name(n), st, user, False) for n in read.split()]
+    return (
+        make(patch, True, False)
+        + make(read, False, False)
+        + make(optional_patch, True, True)
+        + make(optional, False, True)
+    )
 
 
 _ALL = (0, 1, 2, 3)
@@ -73,6 +86,21 @@ SURFACE: tuple[Internal, ...] = (
         patch="_take_model_step backward _backward_prologue _backward_epilogue step save_checkpoint load_checkpoint",
         read="skipped_steps global_steps micro_steps is_gradient_accumulation_boundary module optimizer",
     ),
+    # checkpoint loads read DeepSpeed's files with weights_only=True (adapter/dsfiles.py): the
+    # engine's checkpoint engine and the DeepSpeed classes its files may hold; without them the
+    # load falls back to torch's own weights-only reader, so none is required when an engine is built
+    *_entries("zerohooks", ENGINE, _ALL, optional="checkpoint_engine"),
+    *_entries(
+        "zerohooks",
+        "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine.TorchCheckpointEngine",
+        _ALL,
+        optional_patch="load",
+    ),
+    *_entries(
+        "zerohooks", "deepspeed.runtime.fp16.loss_scaler", _ALL, optional="DynamicLossScaler LossScaler"
+    ),
+    *_entries("zerohooks", "deepspeed.runtime.zero.config", _ALL, optional="ZeroStageEnum"),
+    *_entries("zerohooks", "deepspeed.utils.tensor_fragment", _ALL, optional="fragment_address"),
     # ZeRO 0: the engine all-reduces gradients itself
     *_entries(
         "zerohooks",
@@ -163,7 +191,7 @@ SURFACE: tuple[Internal, ...] = (
         ZERO3,
         (3,),
         patch="_rigid_load_state_dict",
-        optional="_create_momentum_buffer initialize_optimizer_states",
+        optional_patch="_create_momentum_buffer initialize_optimizer_states",
     ),
 )
 """Every DeepSpeed name zerohooks and its plugins read or patch (see :class:`Internal`)."""

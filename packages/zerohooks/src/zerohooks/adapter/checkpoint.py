@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from zerohooks import watchdog
+from zerohooks.adapter import dsfiles
 from zerohooks.adapter.statefile import FORMAT, read_latest, read_state, state_file, write_latest, write_state
 from zerohooks.errors import CheckpointDiskFullError, CheckpointSaveError, CheckpointStateError
 
@@ -402,6 +403,34 @@ def _warn_weights_only(att: Attachment, how: str) -> None:
         )
 
 
+def _guarded(att: Attachment, bound: inspect.BoundArguments) -> contextlib.AbstractContextManager[None]:
+    """DeepSpeed's own files of this load read without running code (:mod:`.dsfiles`)."""
+    load_dir = os.fspath(bound.arguments["load_dir"])
+    tag = bound.arguments.get("tag")
+    resolved = _resolve_tag(att.engine, load_dir, None if tag is None else str(tag))
+    folder = None if resolved is None else os.path.join(load_dir, resolved)
+    folders = [] if folder is None else [folder]
+    stage3 = getattr(att.engine, "zero_optimization_partition_weights", lambda: False)()
+    if stage3 and not bool(bound.arguments.get("load_optimizer_states", True)):
+        # DeepSpeed then reads the fp32 weights of the checkpoint 'latest' names, whatever the tag
+        latest = read_latest(load_dir)
+        if latest is not None and os.path.join(load_dir, latest) not in folders:
+            folders.append(os.path.join(load_dir, latest))
+    rank = _rank_world()[0]
+
+    def agree(found: str | None) -> None:
+        failed = _agree(found is None, found or "")
+        if failed:
+            raise CheckpointStateError(
+                f"checkpoint {folder!r} cannot be resumed: DeepSpeed's files were refused without "
+                f"running them, {_summary(failed)}. DeepSpeed's own checkpoint files are read with "
+                f"weights_only=True and may hold only torch's allowed types and {', '.join(dsfiles.DEEPSPEED_GLOBALS)} "
+                f"(and the classes the enabled plugins declare). {dsfiles.TRUST_HINT}"
+            )
+
+    return dsfiles.guarded(att, folders, rank, agree)
+
+
 def install_checkpoint_patches(att: Attachment) -> None:
     """Wrap ``engine.save_checkpoint`` and ``engine.load_checkpoint`` of ``att``'s engine."""
     engine = att.engine
@@ -430,7 +459,8 @@ def install_checkpoint_patches(att: Attachment) -> None:
                 return original(*args, **kwargs)  # DeepSpeed reports the bad call itself
             module_only = bool(bound.arguments.get("load_module_only", False))
             optimizer = bool(bound.arguments.get("load_optimizer_states", True))
-            out = original(*args, **kwargs)
+            with _guarded(att, bound):
+                out = original(*args, **kwargs)
             load_path = out[0] if isinstance(out, tuple) else out
             if load_path is None:
                 return out

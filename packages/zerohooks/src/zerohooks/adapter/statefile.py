@@ -57,6 +57,7 @@ __all__ = [
     "read_bytes",
     "read_latest",
     "read_state",
+    "refusal",
     "state_file",
     "verify_file",
     "write_atomic",
@@ -271,7 +272,7 @@ def _checked_body(path: str, rank: int, data: bytes) -> bytes:
     return body
 
 
-def _refusal(text: str) -> str:
+def refusal(text: str) -> str:
     """What torch's weights-only unpickler found, without its advice to load with
     ``weights_only=False``."""
     named = re.search(r"GLOBAL ([\w.]+)", text)
@@ -291,7 +292,7 @@ def load_plain(body: bytes, path: str, rank: int, fmt: int) -> Any:
     except pickle.UnpicklingError as e:
         if "Weights only load failed" not in str(e):
             raise _damaged(path, rank, f"its payload cannot be unpickled (UnpicklingError: {e})") from None
-        raise _foreign(path, rank, fmt, f"refused without running it: {_refusal(str(e))}") from None
+        raise _foreign(path, rank, fmt, f"refused without running it: {refusal(str(e))}") from None
     except Exception as e:  # a legacy file has no checksum: this is where its damage shows
         raise _damaged(path, rank, f"its payload cannot be unpickled ({type(e).__name__}: {e})") from e
     bad = check_plain(payload)
