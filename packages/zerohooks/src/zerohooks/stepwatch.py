@@ -136,10 +136,7 @@ class _Watch:
 
     def _fail(self, stalled: list[int], last: dict[int, str | None], store_silent: float) -> None:
         if stalled:
-            said = "; ".join(
-                f"rank {r} was last heard {(last.get(r) or '|?').partition('|')[2] or 'at start-up'}"
-                for r in stalled
-            )
+            said = "; ".join(f"rank {r} was last heard {_heard(last.get(r))}" for r in stalled)
             head = (
                 f"Not responding: rank(s) {stalled} (no heartbeat for {self.limit:g} s: the process is stopped, "
                 f"frozen or dead; look at its log and its node). {said}."
@@ -178,9 +175,14 @@ class _Watch:
 
 
 def _heard(value: str | None) -> str:
-    """Where a heartbeat value says its rank was."""
+    """Where a heartbeat value says its rank was: the engine call and frames when it was in one
+    (what it last did in zerohooks' own collectives left out), else what the beat says."""
     where = (value or "").partition("|")[2]
-    return where.removeprefix("start-up; ").removeprefix("outside zerohooks collectives; ") or "at start-up"
+    if where.startswith(("start-up; ", "outside zerohooks collectives")):
+        _, sep, rest = where.partition("; in ")
+        if sep:
+            where = "in " + rest
+    return "at start-up" if where in ("", "start-up") else where
 
 
 def _sockets() -> dict[int, int]:
