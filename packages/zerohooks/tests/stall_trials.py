@@ -23,7 +23,7 @@ import deepspeed
 import torch
 
 import zerohooks
-from zerohooks import watchdog
+from zerohooks import stepwatch, watchdog
 from zerohooks._compat import skip_deepspeed_shm_op
 from zerohooks.errors import CollectiveTimeoutError
 from zerohooks.testing.toy import ds_config, make_model, train
@@ -53,6 +53,9 @@ def _rank(rank: int, port: int, stage: int, limit: float, out: str) -> None:
         except Exception as e:
             result = {"error": type(e).__name__, "message": str(e)[:2000]}
         result["t"] = time.monotonic()
+        w = stepwatch._watch
+        if w is not None:  # the watching thread's last looks: when, what each counted
+            result["looks"] = [[round(x, 2) for x in look] for look in w.looks]
         result["steps"] = step
     except BaseException:
         result = {"error": "setup", "message": traceback.format_exc()[-3000:], "t": time.monotonic()}
@@ -105,6 +108,7 @@ def trial(stage: int, limit: float, rng: random.Random, tmp: str, n: int) -> dic
                 message=r0["message"],
                 detected_after=round(r0["t"] - stopped_at, 2),
                 steps=r0.get("steps"),
+                looks=[[round(look[0] - stopped_at, 2), *look[1:]] for look in r0.get("looks", [])],
             )
         else:
             result.update(error="none within limit + 60 s")

@@ -33,6 +33,7 @@ that exits cleanly says so in its heartbeat.  gloo only; off with the watchdog
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import re
@@ -90,6 +91,8 @@ class _Watch:
         self.depth = 0
         self.entered = 0.0
         self.verdict: str | None = None
+        self.looks: collections.deque[tuple[float, float, float, bool]] = collections.deque(maxlen=32)
+        """The last looks taken in an engine call: (time, seconds counted, longest silence, read)."""
         self.stopped = threading.Event()
         self.store = heart.store
         with contextlib.suppress(Exception):
@@ -129,6 +132,7 @@ class _Watch:
                     silent[r] = 0.0 if moved else silent[r] + dt
                     last[r] = v
             stalled = [r for r in peers if silent[r] >= self.limit]
+            self.looks.append((now, dt, max(silent.values(), default=0.0), values is not None))
             if self.heart.where.startswith("in "):
                 continue  # inside a zerohooks collective: its own bounded wait names the rank
             if stalled or store_silent >= self.limit:
