@@ -113,6 +113,25 @@ def test_where_the_main_thread_is_names_its_frames() -> None:
     assert "waiting_in_a_known_place (tests/test_stepwatch.py:" in seen[0], seen
 
 
+@pytest.mark.multirank
+def test_a_stderr_nobody_reads_does_not_hold_the_stalled_ranks_peers() -> None:
+    """stderr is a pipe that nobody reads, filled before rank 1 stops: rank 0 still shuts its
+    connections and raises within the limit (its report is written after, without waiting)."""
+    p = subprocess.Popen(
+        [sys.executable, _DRIVER, "2", "1", str(LIMIT), "5"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "STALL_TRIALS_FILL_STDERR": "1"},
+    )
+    assert p.stdout is not None and p.stderr is not None
+    out = p.stdout.read().decode()  # stderr stays unread until the trial is over
+    p.stderr.read()
+    assert p.wait(timeout=60) == 0
+    results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert len(results) == 1, out
+    _check(results)
+
+
 def _slow_then_gil_holding_peer() -> dict[str, float]:
     """Rank 1, inside its forward of one step, first computes in Python for two limits (the GIL
     passes to its heartbeat every few ms: a slow rank), then holds the GIL in one C call for half

@@ -156,26 +156,38 @@ class _Watch:
             "to change the limit."
         )
         self.verdict = report
-        print(f"[zerohooks] {report}", file=sys.stderr, flush=True)
+        entered = self.entered
         with contextlib.suppress(Exception):
             self.store.set(_VERDICT, report)
+        # the connections first, the report after: a stderr that nobody reads (a full pipe)
+        # must not keep this rank from failing, nor from exiting below
         _break_gloo_connections(self.store, self.world)
-        entered = self.entered
+        _say(f"[zerohooks] {report}")
         if (
             not self.stopped.wait(max(5.0, min(60.0, 2 * self.limit)))
             and self.depth
             and self.entered == entered
         ):
-            print(
+            _say(
                 f"[zerohooks] rank {self.rank}: still blocked in {self.phase} after its connections were shut "
-                f"down; exiting with code {STALL_EXIT_CODE}. {report}",
-                file=sys.stderr,
-                flush=True,
+                f"down; exiting with code {STALL_EXIT_CODE}. {report}"
             )
             os._exit(STALL_EXIT_CODE)
 
     def stop(self) -> None:
         self.stopped.set()
+
+
+def _say(text: str, wait: float = 5.0) -> None:
+    """Print ``text`` to stderr, waiting for the write at most ``wait`` seconds (a write to a
+    full pipe blocks until someone reads it)."""
+    writer = threading.Thread(
+        target=lambda: print(text, file=sys.stderr, flush=True),
+        name="zerohooks-stepwatch-report",
+        daemon=True,
+    )
+    writer.start()
+    writer.join(wait)
 
 
 def _heard(value: str | None) -> str:
