@@ -36,13 +36,16 @@ if dist.get_rank() == 0:
     T = time.monotonic()
     sys.exit(3)
 T = time.monotonic()
-time.sleep(2.0)
+if os.environ["JOIN"] == "never":  # alive, never joins: rank 0's exit handler gives up at its limit
+    time.sleep(exitguard.LIMIT_S + 8)
+    os._exit(0)
+time.sleep(float(os.environ["JOIN"]))
 dist.all_gather([torch.empty(4) for _ in range(2)], torch.ones(4))
 raise ValueError("rank 1 fails after its last collective")
 """
 
 
-def _launch(guard: str) -> list[tuple[int, str, str]]:
+def _launch(guard: str, join: str = "2.0") -> list[tuple[int, str, str]]:
     port = str(_free_port())
     procs = [
         subprocess.Popen(
@@ -50,6 +53,7 @@ def _launch(guard: str) -> list[tuple[int, str, str]]:
             env={
                 **os.environ,
                 "GUARD": guard,
+                "JOIN": join,
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": port,
                 "RANK": str(r),
@@ -87,6 +91,19 @@ def test_without_the_guard_a_worker_is_still_busy_at_finalization() -> None:
     (_, out0, err0), _ = _launch("off")
     line = next(ln for ln in out0.splitlines() if ln.startswith("busy at exit"))
     assert int(line.split()[3]) == 1 and float(line.split()[5]) < 1.0, line + err0[-2000:]
+
+
+@pytest.mark.multirank
+def test_the_guard_gives_up_at_its_limit() -> None:
+    """A collective that never completes (the peer alive but never joining): the exit waits
+    :data:`~zerohooks.exitguard.LIMIT_S`, not longer, and says why."""
+    from zerohooks import exitguard
+
+    (_, out0, err0), _ = _launch("on", join="never")
+    line = next(ln for ln in out0.splitlines() if ln.startswith("busy at exit"))
+    busy, waited = int(line.split()[3]), float(line.split()[5])
+    assert busy >= 1 and exitguard.LIMIT_S <= waited < exitguard.LIMIT_S + 5, line
+    assert "a gloo worker thread is still busy after 10 s" in err0, err0[-2000:]
 
 
 _GROUPS = """
