@@ -5,7 +5,7 @@ Each launch starts two ranks (``nice -n 10``, ``--parallel`` launches at a time)
 that joins a gloo process group, runs one small ``all_gather`` and ends: PyTorch's own
 reproducer of the abort (see RELIABILITY.md).  Prints and writes (``--out``, after every launch,
 so a long run can be read while it goes) the count of each (exit code, "terminate called" in
-stderr) pair per mode.
+stderr) pair per mode, and under "failures" the stderr tail of every rank that did not exit 0.
 
     python benchmarks/bench_exit_aborts.py --launches 200 --modes zerohooks
     python benchmarks/bench_exit_aborts.py --launches 40 --modes plain
@@ -40,8 +40,8 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(mode: str, script: str) -> list[tuple[int, bool]]:
-    """One two-rank job; (exit code, aborted by std::terminate) per rank."""
+def launch(mode: str, script: str) -> list[tuple[int, bool, str]]:
+    """One two-rank job; (exit code, aborted by std::terminate, stderr's tail) per rank."""
     port = _port()
     cmd = [sys.executable, script] if mode == "plain" else [sys.executable, "-m", "zerohooks.run", script]
     procs = [
@@ -62,7 +62,7 @@ def launch(mode: str, script: str) -> list[tuple[int, bool]]:
     out = []
     for p in procs:
         _, err = p.communicate(timeout=600)
-        out.append((p.returncode, b"terminate called" in err))
+        out.append((p.returncode, b"terminate called" in err, err[-4000:].decode(errors="replace")))
     return out
 
 
@@ -78,16 +78,20 @@ def main() -> None:
         script = os.path.join(tmp, "gather_and_exit.py")
         with open(script, "w") as f:
             f.write(WORKER)
-        results: dict[str, dict[str, int]] = {}
+        results: dict[str, object] = {}
+        failures: list[dict[str, object]] = []
         for mode in args.modes.split(","):
             counts: collections.Counter[str] = collections.Counter()
             t0 = time.monotonic()
             with cf.ThreadPoolExecutor(args.parallel) as ex:
                 for i, ranks in enumerate(ex.map(launch, [mode] * args.launches, [script] * args.launches)):
                     counts["launches"] += 1
-                    counts["launches exit 0"] += all(rc == 0 for rc, _ in ranks)
-                    for rc, terminate in ranks:
+                    counts["launches exit 0"] += all(rc == 0 for rc, _, _ in ranks)
+                    for r, (rc, terminate, err) in enumerate(ranks):
                         counts[f"rank exit {rc}" + (" (terminate called)" if terminate else "")] += 1
+                        if rc != 0 or terminate:
+                            failures.append({"mode": mode, "launch": i, "rank": r, "rc": rc, "stderr": err})
+                    results["failures"] = failures
                     results[mode] = {**dict(counts), "seconds": round(time.monotonic() - t0)}
                     with open(args.out, "w") as f:
                         json.dump(results, f, indent=1)

@@ -1,14 +1,18 @@
-"""Driver for the stalled-rank trials: ``python stall_trials.py STAGES TRIALS LIMIT SEED [PARALLEL]``.
+"""Driver for the stalled-rank trials: ``python stall_trials.py STAGES TRIALS LIMIT SEED``.
 
 Imports torch, DeepSpeed and zerohooks once, then forks each trial's two ranks from that state
 (fast: no import per trial).  The ranks build a zerohooks engine (no plugin: only DeepSpeed's own
 collectives run) and train in a loop; at a random moment the driver stops rank 1 with SIGSTOP
 and waits for rank 0 to raise.  Prints one JSON line per trial: stage, the delay before the
-stop, seconds from the stop to rank 0's error, its type and message.
+stop, seconds from the stop to rank 0's error, its type and message.  With
+``STALL_TRIALS_FILL_STDERR=1`` the pipe on stderr is filled before the stop (a launcher that
+does not read its ranks' output).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import random
@@ -23,7 +27,7 @@ import deepspeed
 import torch
 
 import zerohooks
-from zerohooks import watchdog
+from zerohooks import stepwatch, watchdog
 from zerohooks._compat import skip_deepspeed_shm_op
 from zerohooks.errors import CollectiveTimeoutError
 from zerohooks.testing.toy import ds_config, make_model, train
@@ -53,6 +57,9 @@ def _rank(rank: int, port: int, stage: int, limit: float, out: str) -> None:
         except Exception as e:
             result = {"error": type(e).__name__, "message": str(e)[:2000]}
         result["t"] = time.monotonic()
+        w = stepwatch._watch
+        if w is not None:  # the watching thread's last looks: when, what each counted
+            result["looks"] = [[round(x, 2) for x in look] for look in w.looks]
         result["steps"] = step
     except BaseException:
         result = {"error": "setup", "message": traceback.format_exc()[-3000:], "t": time.monotonic()}
@@ -79,6 +86,20 @@ def _wait_for(path: str, seconds: float) -> bool:
     return True
 
 
+def _fill_stderr() -> None:
+    """Fill the pipe on stderr (the ranks share it) to the last byte, as a launcher that does not
+    read its ranks' output leaves it: the next write to it blocks."""
+    flags = fcntl.fcntl(2, fcntl.F_GETFL)
+    fcntl.fcntl(2, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+    try:
+        for chunk in (b"." * 4096, b"."):  # whole pages, then single bytes (each write atomic)
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    os.write(2, chunk)
+    finally:
+        fcntl.fcntl(2, fcntl.F_SETFL, flags)
+
+
 def trial(stage: int, limit: float, rng: random.Random, tmp: str, n: int) -> dict[str, object]:
     out = os.path.join(tmp, f"trial{n}")
     port = _port()
@@ -91,6 +112,9 @@ def trial(stage: int, limit: float, rng: random.Random, tmp: str, n: int) -> dic
     try:
         ready = all(_wait_for(f"{out}.ready{r}", 300) for r in range(2))
         delay = rng.uniform(0.0, 1.5)
+        if os.environ.get("STALL_TRIALS_FILL_STDERR") == "1":
+            time.sleep(5.0)  # past the first steps' warnings: from here on the ranks write nothing
+            _fill_stderr()
         time.sleep(delay)
         stopped_at = time.monotonic()
         if ready:
@@ -105,6 +129,7 @@ def trial(stage: int, limit: float, rng: random.Random, tmp: str, n: int) -> dic
                 message=r0["message"],
                 detected_after=round(r0["t"] - stopped_at, 2),
                 steps=r0.get("steps"),
+                looks=[[round(look[0] - stopped_at, 2), *look[1:]] for look in r0.get("looks", [])],
             )
         else:
             result.update(error="none within limit + 60 s")

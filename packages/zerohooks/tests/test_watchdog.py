@@ -278,3 +278,17 @@ def test_the_heartbeat_thread_is_joined_before_the_interpreter_exits() -> None:
     done = subprocess.run([sys.executable, "-c", _EXIT_CHILD], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "beating" in done.stdout and "alive at exit: []" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+def test_store_keys_are_per_torchrun_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun restarts a failed job with the same store (its agent's): what the previous attempt
+    left there (its heartbeats, a stall report) is not read by the next one."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    report = "zerohooks/stall-report"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    watchdog._store(server).set(report, "attempt 0 found rank 1 stalled")
+    assert watchdog._store(server).check([report])  # the same attempt reads it
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert not watchdog._store(server).check([report])
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    assert not watchdog._store(server).check([report])  # a plain launch: its own keys too

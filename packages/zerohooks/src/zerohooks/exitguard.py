@@ -94,12 +94,17 @@ def gloo_workers_busy() -> list[str]:
     return [tid for tid in _workers() if not _idle(_state(tid))]
 
 
-def _process_group() -> bool:
+def _gloo_group() -> bool:
+    """Whether this process has a gloo process group (True when that cannot be read): none on
+    NCCL alone, so there the handler returns after one look at ``/proc`` without sleeping."""
     dist = sys.modules.get("torch.distributed")
     try:
-        return dist is not None and bool(dist.is_available() and dist.is_initialized())
+        if dist is None or not (dist.is_available() and dist.is_initialized()):
+            return False
+        groups = dist.distributed_c10d._world.pg_map
+        return any("gloo" in str(backend).lower() for backend, _ in groups.values())
     except Exception:
-        return False
+        return True
 
 
 def wait_for_gloo_workers(limit: float = LIMIT_S) -> bool:
@@ -112,7 +117,7 @@ def wait_for_gloo_workers(limit: float = LIMIT_S) -> bool:
     empty = 0
     while True:
         before = {tid: _state(tid) for tid in _workers()}
-        if not before and not _process_group():
+        if not before and not _gloo_group():
             return True
         time.sleep(_QUIET_S)  # the GIL is free: a worker waiting for it takes it now
         after = {tid: _state(tid) for tid in _workers()}

@@ -33,6 +33,7 @@ that exits cleanly says so in its heartbeat.  gloo only; off with the watchdog
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import re
@@ -90,6 +91,8 @@ class _Watch:
         self.depth = 0
         self.entered = 0.0
         self.verdict: str | None = None
+        self.looks: collections.deque[tuple[float, float, float, bool]] = collections.deque(maxlen=32)
+        """The last looks taken in an engine call: (time, seconds counted, longest silence, read)."""
         self.stopped = threading.Event()
         self.store = heart.store
         with contextlib.suppress(Exception):
@@ -129,6 +132,7 @@ class _Watch:
                     silent[r] = 0.0 if moved else silent[r] + dt
                     last[r] = v
             stalled = [r for r in peers if silent[r] >= self.limit]
+            self.looks.append((now, dt, max(silent.values(), default=0.0), values is not None))
             if self.heart.where.startswith("in "):
                 continue  # inside a zerohooks collective: its own bounded wait names the rank
             if stalled or store_silent >= self.limit:
@@ -136,10 +140,7 @@ class _Watch:
 
     def _fail(self, stalled: list[int], last: dict[int, str | None], store_silent: float) -> None:
         if stalled:
-            said = "; ".join(
-                f"rank {r} was last heard {(last.get(r) or '|?').partition('|')[2] or 'at start-up'}"
-                for r in stalled
-            )
+            said = "; ".join(f"rank {r} was last heard {_heard(last.get(r))}" for r in stalled)
             head = (
                 f"Not responding: rank(s) {stalled} (no heartbeat for {self.limit:g} s: the process is stopped, "
                 f"frozen or dead; look at its log and its node). {said}."
@@ -155,21 +156,21 @@ class _Watch:
             "to change the limit."
         )
         self.verdict = report
-        print(f"[zerohooks] {report}", file=sys.stderr, flush=True)
+        entered = self.entered
         with contextlib.suppress(Exception):
             self.store.set(_VERDICT, report)
+        # the connections first, the report after: a stderr that nobody reads (a full pipe)
+        # must not keep this rank from failing, nor from exiting below
         _break_gloo_connections(self.store, self.world)
-        entered = self.entered
+        _say(f"[zerohooks] {report}")
         if (
             not self.stopped.wait(max(5.0, min(60.0, 2 * self.limit)))
             and self.depth
             and self.entered == entered
         ):
-            print(
+            _say(
                 f"[zerohooks] rank {self.rank}: still blocked in {self.phase} after its connections were shut "
-                f"down; exiting with code {STALL_EXIT_CODE}. {report}",
-                file=sys.stderr,
-                flush=True,
+                f"down; exiting with code {STALL_EXIT_CODE}. {report}"
             )
             os._exit(STALL_EXIT_CODE)
 
@@ -177,10 +178,27 @@ class _Watch:
         self.stopped.set()
 
 
+def _say(text: str, wait: float = 5.0) -> None:
+    """Print ``text`` to stderr, waiting for the write at most ``wait`` seconds (a write to a
+    full pipe blocks until someone reads it)."""
+    writer = threading.Thread(
+        target=lambda: print(text, file=sys.stderr, flush=True),
+        name="zerohooks-stepwatch-report",
+        daemon=True,
+    )
+    writer.start()
+    writer.join(wait)
+
+
 def _heard(value: str | None) -> str:
-    """Where a heartbeat value says its rank was."""
+    """Where a heartbeat value says its rank was: the engine call and frames when it was in one
+    (what it last did in zerohooks' own collectives left out), else what the beat says."""
     where = (value or "").partition("|")[2]
-    return where.removeprefix("start-up; ").removeprefix("outside zerohooks collectives; ") or "at start-up"
+    if where.startswith(("start-up; ", "outside zerohooks collectives")):
+        _, sep, rest = where.partition("; in ")
+        if sep:
+            where = "in " + rest
+    return "at start-up" if where in ("", "start-up") else where
 
 
 def _sockets() -> dict[int, int]:

@@ -193,9 +193,18 @@ _retired: list[_Heartbeat] = []
 _heart_lock = threading.Lock()
 
 
+def _namespace() -> str:
+    """The prefix of zerohooks' keys in the rendezvous store: ``zh``, with torchrun's restart count
+    when there is one (``zh/attempt1``).  A restarted job's ranks reach the same store again (the
+    agent's), where the previous attempt's heartbeats and stall report remain: read as this
+    attempt's, they would turn any error into that old report."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "").strip()
+    return f"zh/attempt{attempt}" if attempt else "zh"
+
+
 def _store(store: Any, timeout: float = 5.0) -> Any:
-    """A client of the rendezvous store ``store`` (``timeout`` seconds per operation), ``None`` if
-    there is none we can reach."""
+    """A client of the rendezvous store ``store`` (``timeout`` seconds per operation, keys under
+    :func:`_namespace`), ``None`` if there is none we can reach."""
     base = store
     while hasattr(base, "underlying_store"):
         base = base.underlying_store
@@ -203,14 +212,14 @@ def _store(store: Any, timeout: float = 5.0) -> Any:
         # our own connection with a short timeout: a frozen store host cannot block the census
         try:
             return dist.PrefixStore(
-                "zh",
+                _namespace(),
                 dist.TCPStore(
                     base.host, base.port, is_master=False, timeout=datetime.timedelta(seconds=timeout)
                 ),
             )
         except Exception:
             return None
-    return store
+    return dist.PrefixStore(_namespace(), store)
 
 
 def _heartbeat(timeout: float) -> _Heartbeat | None:

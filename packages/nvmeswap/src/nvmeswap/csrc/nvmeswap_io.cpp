@@ -208,7 +208,7 @@ class Engine {
 
 // A 64-bit hash of the bytes: four independent lanes over 8-byte words (several GB/s on one
 // core), then the tail byte by byte; position-sensitive, so a flipped, swapped or shifted byte
-// changes it.  Not cryptographic.  nvmeswap.io.checksum_reference is the same function in Python.
+// changes it.  Not cryptographic.  tests/test_nvmeswap_io.py holds the same function in Python.
 uint64_t checksum(const torch::Tensor& t) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "nvmeswap checksum: need a contiguous CPU tensor");
   const unsigned char* p = static_cast<const unsigned char*>(t.data_ptr());
