@@ -172,6 +172,7 @@ def child(a: argparse.Namespace) -> None:
 
     import zerohooks
 
+    zerohooks.skip_deepspeed_compiles()  # DeepSpeed's shm all-reduce op: minutes of build, never used
     deepspeed.init_distributed(dist_backend="gloo")
     run, phase = a.child, a.phase
     folder = os.path.join(a.folder, run)
@@ -551,6 +552,8 @@ def main() -> None:
                     "losses_uninterrupted": want, "losses_resumed": got,
                     "bit_exact": bool(got) and got == want and ld.get("weights_sha_step4") == full.get("weights_sha_step4"),
                     "peak_gib": [s.get("cgroup_peak_gib"), ld.get("cgroup_peak_gib")],
+                    "vm_hwm_gib": [s.get("vm_hwm_gib"), ld.get("vm_hwm_gib")],
+                    "oom_kills": [s.get("oom_kills"), ld.get("oom_kills")],
                     "steps_saved": s.get("steps"),
                 }  # fmt: skip
                 print(json.dumps(payload["resume"]), flush=True)
