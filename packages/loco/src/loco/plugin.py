@@ -26,6 +26,7 @@ from zerohooks import (
     ZeroPlugin,
     next_loss_scale,
 )
+from zerohooks.adapter import seams
 from zerohooks.registry import HookRegistry
 
 __all__ = ["LocoGatherer", "LocoPlugin", "LocoReducer", "param_key"]
@@ -123,17 +124,6 @@ class LocoGatherer(ParameterGatherer):
         for hop, copies in hops.items():
             self.state.stats.parameters(hop, copies * nbytes)
         return finish
-
-
-def _dynamic_loss_scaling(engine: Any) -> bool:
-    """True when the engine's steps can be skipped by a loss scaler even though the model is not
-    fp16 (e.g. autocastzero's float16 autocast with fp32 parameters)."""
-    opt = getattr(engine, "optimizer", None)
-    try:
-        dynamic = bool(getattr(opt, "dynamic_loss_scale", False))
-    except Exception:
-        dynamic = False
-    return dynamic or getattr(engine, "torch_autocast_z0_gradscaler", None) is not None
 
 
 def _node_size(config: LocoConfig, world: int) -> int:
@@ -258,7 +248,7 @@ class LocoPlugin(ZeroPlugin):
             # plugin installed (autocastzero's fp16 scaling on fp32 parameters) is visible here.
             self._check_skippable = False
             if self.cfg.on_skip == "restore" and not self.state.keep_snapshots:
-                self.state.keep_snapshots = _dynamic_loss_scaling(self.engine)
+                self.state.keep_snapshots = seams.steps_may_be_skipped(self.engine)
         return zerohooks.step_context(self.engine).micro_step
 
     def _topology(self, group: Any) -> comm.Topology:

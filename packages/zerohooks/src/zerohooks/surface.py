@@ -144,6 +144,10 @@ SURFACE: tuple[Internal, ...] = (
         (3,),
         read="__param_id_to_grad_partition _get_param_partition_rank",
     ),
+    # whether a loss scaler can skip steps (adapter.seams.steps_may_be_skipped, asked by loco)
+    *_entries("zerohooks", ENGINE, (0,), optional="torch_autocast_z0_gradscaler"),
+    *_entries("zerohooks", ZERO12, (1, 2), optional="dynamic_loss_scale"),
+    *_entries("zerohooks", ZERO3, (3,), optional="dynamic_loss_scale"),
     # -- autocastzero: loss scaling and the forward under autocast ----------------------------------
     *_entries("autocastzero", ENGINE, _ALL, patch="forward"),
     *_entries("autocastzero", ENGINE, (0,), patch="torch_autocast_z0_gradscaler"),

@@ -9,7 +9,8 @@ the engine's :class:`~zerohooks.adapter.base.Attachment`:
   of ZeRO 1/2), :func:`stage_buckets_in_own_dtype` and :func:`widen_reduction_buffer` (the dtype
   gradients are staged in before the collective);
 * loss scaling: :func:`own_loss_scaling` (the scaler DeepSpeed multiplies the loss by and
-  unscales with, on every stage, and its overflow check);
+  unscales with, on every stage, and its overflow check); :func:`steps_may_be_skipped` (whether a
+  loss scaler, DeepSpeed's or a plugin's, can skip a step);
 * forward: :func:`run_forward_in` (a context around the engine's forward, e.g. autocast);
 * checkpoints: :func:`check_before_save` (refuse ``save_checkpoint`` in a state that cannot be saved).
 """
@@ -32,6 +33,7 @@ __all__ = [
     "own_loss_scaling",
     "run_forward_in",
     "stage_buckets_in_own_dtype",
+    "steps_may_be_skipped",
     "widen_reduction_buffer",
 ]
 
@@ -133,6 +135,18 @@ def own_loss_scaling(
         opt.loss_scaler = zero_scaler
 
     return reinstall
+
+
+def steps_may_be_skipped(engine: Any) -> bool:
+    """True when a dynamic loss scaler can skip this engine's optimizer steps: DeepSpeed's own
+    (fp16 parameters) or one a plugin installed with :func:`own_loss_scaling` on fp32 or bf16
+    parameters.  Read once every plugin's ``engine_ready`` has run."""
+    opt = getattr(engine, "optimizer", None)
+    try:
+        dynamic = bool(getattr(opt, "dynamic_loss_scale", False))
+    except Exception:  # some optimizer wrappers compute it from state that may not exist yet
+        dynamic = False
+    return dynamic or getattr(engine, "torch_autocast_z0_gradscaler", None) is not None
 
 
 def run_forward_in(att: Attachment, context: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
