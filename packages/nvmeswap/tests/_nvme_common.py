@@ -6,11 +6,15 @@ sub-groups: it keeps sub-groups under 1 MiB (262,144 fp32 values) in RAM.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+import zerohooks
 
 SUB_GROUP = 300_000
 """sub_group_size: two or three swapped sub-groups per rank."""
@@ -238,7 +242,8 @@ def scenario_checkpoint(tmp: str) -> dict[str, Any]:
 
     losses += train(eng, 2, first=2)
     fresh = _build(config(f"{tmp}/ck_b{rank}", nvmeswap={}))
-    fresh.load_checkpoint(ckpt, tag="s2")
+    with _recording_loads() as reads:
+        fresh.load_checkpoint(ckpt, tag="s2")
     resumed = train(fresh, 2, first=2)
     # module-only load: DeepSpeed refreshes the (swapped-out) fp32 masters from the 16-bit
     # weights.  One step first, so the masters hold more than their 16-bit rounding.
@@ -250,7 +255,8 @@ def scenario_checkpoint(tmp: str) -> dict[str, Any]:
             return [p.detach().float().clone() for p in e.module.parameters()]
 
     masters_before = [torch.equal(m, w) for m, w in zip(masters(third), weights(third), strict=True)]
-    third.load_checkpoint(ckpt, tag="s2", load_module_only=True)
+    with zerohooks.trust_checkpoint_code(), _recording_loads() as trusted_reads:
+        third.load_checkpoint(ckpt, tag="s2", load_module_only=True)
     module_only = [torch.equal(m, w) for m, w in zip(masters(third), weights(third), strict=True)]
     module_only_losses = train(third, 1, first=2)
     consolidated_equal = None
@@ -268,7 +274,29 @@ def scenario_checkpoint(tmp: str) -> dict[str, Any]:
         "module_only": module_only,
         "masters_before_module_only": masters_before,
         "module_only_losses": module_only_losses,
+        "reads": reads,
+        "trusted_reads": trusted_reads,
     }
+
+
+@contextlib.contextmanager
+def _recording_loads() -> Iterator[list[tuple[str, bool, bool]]]:
+    """Record ``(file name, weights_only, mmap)`` of each ``torch.load`` meanwhile (the load itself
+    runs unchanged)."""
+    import torch
+
+    calls: list[tuple[str, bool, bool]] = []
+    real = torch.load
+
+    def load(f: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append((os.path.basename(str(f)), bool(kwargs.get("weights_only")), bool(kwargs.get("mmap"))))
+        return real(f, *args, **kwargs)
+
+    torch.load = load
+    try:
+        yield calls
+    finally:
+        torch.load = real
 
 
 def scenario_variants(tmp: str) -> dict[str, Any]:

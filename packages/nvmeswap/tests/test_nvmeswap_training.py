@@ -104,6 +104,16 @@ def test_checkpoint_resume_bit_exact(two_ranks: list[dict[str, Any]]) -> None:
         assert ck["resumed"] == ck["uninterrupted"][4:]
 
 
+def test_checkpoint_files_are_read_mapped_and_without_code(two_ranks: list[dict[str, Any]]) -> None:
+    """nvmeswap's optimizer file (12 bytes a parameter) is mapped, never read into RAM whole
+    (``mmap=True``), and still read weights-only (zerohooks' guard); a trusted folder is mapped too."""
+    for r in two_ranks:
+        ck = r["checkpoint"]
+        optim = [c for c in ck["reads"] if c[0].endswith("optim_states.pt")]
+        assert optim and all(weights_only and mmap for _, weights_only, mmap in optim), ck["reads"]
+        assert ck["trusted_reads"] and all(mmap for *_, mmap in ck["trusted_reads"]), ck["trusted_reads"]
+
+
 def test_module_only_load_refreshes_the_swapped_masters(two_ranks: list[dict[str, Any]]) -> None:
     """load_checkpoint(load_module_only=True): the masters on disk become the loaded weights."""
     import math

@@ -12,7 +12,8 @@ RAM that made swapping necessary.  Instead:
   The checkpoint's format is DeepSpeed's own (``zero_to_fp32`` consolidates it); each sub-group's
   tensors are views of one storage holding its swap file (header included).
 * load: DeepSpeed's ``torch.load`` of the optimizer file is made with ``mmap=True`` (the
-  checkpoint's pages are mapped, not read into RAM); each swapped master tensor takes the saved
+  checkpoint's pages are mapped, not read into RAM; asked for with
+  :func:`zerohooks.adapter.seams.read_checkpoints_mapped`, which keeps the weights-only read); each swapped master tensor takes the saved
   tensor itself as its data (DeepSpeed's copy into it is then a no-op, and the 16-bit weights are
   restored from it), the moments are the mapped saved tensors torch's ``load_state_dict`` keeps,
   and then, one sub-group at a time, :func:`nvmeswap.swapper.swap_out` copies them into a swap
@@ -21,9 +22,8 @@ RAM that made swapping necessary.  Instead:
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -122,25 +122,6 @@ def streamed_save(state: SwapState, original: Callable[..., Any]) -> Callable[..
     return save
 
 
-@contextlib.contextmanager
-def _mmap_torch_load(engine: Any) -> Iterator[None]:
-    """DeepSpeed's torch checkpoint engine loads with ``mmap=True`` meanwhile (other checkpoint
-    engines are left as they are)."""
-    ce: Any = getattr(engine, "checkpoint_engine", None)
-    if type(ce).__name__ != "TorchCheckpointEngine" or "load" in vars(ce):
-        yield
-        return
-
-    def load(path: str, map_location: Any = None) -> Any:
-        return torch.load(path, map_location=map_location, weights_only=False, mmap=True)
-
-    ce.load = load
-    try:
-        yield
-    finally:
-        del ce.load
-
-
 def streamed_load(state: SwapState, engine: Any, original: Callable[..., Any]) -> Callable[..., Any]:
     """``original`` (DeepSpeed's ``_load_zero_checkpoint``) with the checkpoint mapped and the
     swapped sub-groups written back to their swap files one at a time."""
@@ -169,8 +150,7 @@ def streamed_load(state: SwapState, engine: Any, original: Callable[..., Any]) -
         _settle(state, "loaded")
         opt._rigid_load_state_dict = rigid_load
         try:
-            with _mmap_torch_load(engine):
-                return original(*args, **kwargs)
+            return original(*args, **kwargs)
         finally:
             del opt._rigid_load_state_dict
 

@@ -31,6 +31,7 @@ from nvmeswap.folder import FolderClaim, prepare
 from nvmeswap.swapfile import SwapCorruptionError
 from nvmeswap.swapper import SwapState
 from zerohooks import ConfigError, PluginConfig, SetupContext, StepContext, ZeroPlugin, surface
+from zerohooks.adapter import seams
 from zerohooks.registry import HookRegistry
 
 __all__ = ["NvmeSwapPlugin"]
@@ -325,6 +326,7 @@ def _install_checkpoint(att: Any, opt: Any, state: SwapState) -> None:
     (:mod:`nvmeswap.checkpoint`); refreshing the masters from the 16-bit weights (a module-only
     load) makes the state resident meanwhile."""
     engine = att.engine
+    seams.read_checkpoints_mapped(att)  # the optimizer file (12 bytes a parameter) is mapped, not read
     att.patch(
         engine, "_save_zero_checkpoint", lambda f: checkpoint.streamed_save(state, f), "DeepSpeedEngine"
     )

@@ -58,6 +58,8 @@ class Attachment:
         self.attached = False
         self.inert: str | None = None
         """Why nothing is installed on this engine (no plugin, and the adapter did not fit it), or None."""
+        self.map_checkpoint_reads = False
+        """Read DeepSpeed's checkpoint files memory-mapped (:func:`.seams.read_checkpoints_mapped`)."""
 
     # -- patching ------------------------------------------------------------------------------
     def patch(self, obj: Any, name: str, make: Callable[[Any], Any], what: str | None = None) -> None:

@@ -16,6 +16,10 @@ built by zerohooks (nothing global, plain ``deepspeed.initialize`` engines are u
    under :func:`torch.serialization.safe_globals` of that same list, so a file replaced between
    the scan and the read is still refused (on the rank that read it) rather than run.
 
+An engine whose plugin asked for it (:func:`zerohooks.adapter.seams.read_checkpoints_mapped`,
+nvmeswap) reads the files memory-mapped (``mmap=True``): the tensors DeepSpeed keeps refer to the
+file's pages, not to RAM, whether the folder is trusted or not.
+
 A user who trusts a checkpoint folder that holds other objects (the usual case: a
 ``client_state`` with objects of their own) loads it inside :func:`trust_checkpoint_code`.
 """
@@ -141,19 +145,25 @@ def _refused(path: str, rank: int, found: str) -> CheckpointStateError:
     )
 
 
-def _weights_only_load(allowed: list[Any], rank: int) -> Callable[..., Any]:
-    """A ``checkpoint_engine.load`` that reads with ``weights_only=True`` and ``allowed``."""
+def _weights_only_load(allowed: list[Any], rank: int, mmap: bool) -> Callable[..., Any]:
+    """A ``checkpoint_engine.load`` that reads with ``weights_only=True`` and ``allowed``
+    (memory-mapped when ``mmap``)."""
 
     def load(path: str, map_location: Any = None) -> Any:
         with torch.serialization.safe_globals(allowed):
             try:
-                return torch.load(path, map_location=map_location, weights_only=True)
+                return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
             except pickle.UnpicklingError as e:
                 if "Weights only load failed" not in str(e):
                     raise
                 raise _refused(os.fspath(path), rank, refusal(str(e))) from None
 
     return load
+
+
+def _trusted_mapped_load(path: str, map_location: Any = None) -> Any:
+    """DeepSpeed's own read (inside :func:`trust_checkpoint_code`), memory-mapped."""
+    return torch.load(path, map_location=map_location, weights_only=False, mmap=True)
 
 
 def _is_torch_engine(engine: Any) -> bool:
@@ -163,17 +173,17 @@ def _is_torch_engine(engine: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _engine_load(att: Attachment, allowed: list[Any], rank: int) -> Iterator[None]:
-    """Make the engine's checkpoint engine read with ``weights_only=True`` for the duration."""
+def _engine_load(att: Attachment, load: Callable[..., Any] | None, allowed: list[Any]) -> Iterator[None]:
+    """The engine's torch checkpoint engine reads with ``load`` for the duration (None: its own)."""
     cp = getattr(att.engine, "checkpoint_engine", None)
-    if cp is None or not _is_torch_engine(cp):
+    if load is None or cp is None or not _is_torch_engine(cp):
         # another checkpoint engine keeps its own reader; torch's default is weights_only=True
         with torch.serialization.safe_globals(allowed):
             yield
         return
     had = "load" in vars(cp)
     previous = vars(cp).get("load")
-    cp.load = _weights_only_load(allowed, rank)
+    cp.load = load
     try:
         yield
     finally:
@@ -199,12 +209,13 @@ def guarded(
     alone)."""
     if trusted():
         agree(None)
-        yield
+        with _engine_load(att, _trusted_mapped_load if att.map_checkpoint_reads else None, []):
+            yield
         return
     allowed = allowed_globals(att)
     found = None
     for folder in folders:
         found = found or (scan(folder, allowed, rank) if os.path.isdir(folder) else None)
     agree(found)
-    with _engine_load(att, allowed, rank):
+    with _engine_load(att, _weights_only_load(allowed, rank, att.map_checkpoint_reads), allowed):
         yield

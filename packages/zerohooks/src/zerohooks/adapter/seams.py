@@ -12,7 +12,8 @@ the engine's :class:`~zerohooks.adapter.base.Attachment`:
   unscales with, on every stage, and its overflow check); :func:`steps_may_be_skipped` (whether a
   loss scaler, DeepSpeed's or a plugin's, can skip a step);
 * forward: :func:`run_forward_in` (a context around the engine's forward, e.g. autocast);
-* checkpoints: :func:`check_before_save` (refuse ``save_checkpoint`` in a state that cannot be saved).
+* checkpoints: :func:`check_before_save` (refuse ``save_checkpoint`` in a state that cannot be saved);
+  :func:`read_checkpoints_mapped` (DeepSpeed's files read memory-mapped, not into RAM).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "accumulate_separately",
     "check_before_save",
     "own_loss_scaling",
+    "read_checkpoints_mapped",
     "run_forward_in",
     "stage_buckets_in_own_dtype",
     "steps_may_be_skipped",
@@ -173,3 +175,12 @@ def check_before_save(att: Attachment, check: Callable[[], None]) -> None:
         return save_checkpoint
 
     att.patch(att.engine, "save_checkpoint", make, _E)
+
+
+def read_checkpoints_mapped(att: Attachment) -> None:
+    """Read this engine's DeepSpeed checkpoint files with ``torch.load(..., mmap=True)`` (trusted
+    or weights-only alike, :mod:`zerohooks.adapter.dsfiles`): the tensors DeepSpeed loads are views
+    of the file's pages, which the kernel can drop and read again, so a checkpoint bigger than
+    the RAM loads, as long as the plugin moves them elsewhere one piece at a time (nvmeswap's
+    optimizer state, 12 bytes a parameter)."""
+    att.map_checkpoint_reads = True
