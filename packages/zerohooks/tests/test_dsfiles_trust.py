@@ -193,8 +193,8 @@ def _every_kind(tmp: str, which: str) -> None:
     reads = []
     make = dsfiles._weights_only_load
 
-    def counted(allowed: list[Any], rank: int) -> Any:
-        load = make(allowed, rank)
+    def counted(allowed: list[Any], rank: int, mmap: bool) -> Any:
+        load = make(allowed, rank, mmap)
 
         def spy(path: str, map_location: Any = None) -> Any:
             reads.append(path)
