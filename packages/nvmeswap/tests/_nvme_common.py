@@ -7,6 +7,7 @@ sub-groups: it keeps sub-groups under 1 MiB (262,144 fp32 values) in RAM.
 from __future__ import annotations
 
 import contextlib
+import gc
 import glob
 import os
 from collections.abc import Iterator
@@ -244,6 +245,9 @@ def scenario_checkpoint(tmp: str) -> dict[str, Any]:
     fresh = _build(config(f"{tmp}/ck_b{rank}", nvmeswap={}))
     with _recording_loads() as reads:
         fresh.load_checkpoint(ckpt, tag="s2")
+    gc.collect()
+    with open("/proc/self/maps") as f:  # the checkpoint's files still mapped once the load is done
+        still_mapped = sorted({os.path.basename(line.split()[-1]) for line in f if ckpt in line})
     resumed = train(fresh, 2, first=2)
     # module-only load: DeepSpeed refreshes the (swapped-out) fp32 masters from the 16-bit
     # weights.  One step first, so the masters hold more than their 16-bit rounding.
@@ -276,6 +280,7 @@ def scenario_checkpoint(tmp: str) -> dict[str, Any]:
         "module_only_losses": module_only_losses,
         "reads": reads,
         "trusted_reads": trusted_reads,
+        "still_mapped": still_mapped,
     }
 
 

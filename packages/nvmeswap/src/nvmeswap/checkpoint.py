@@ -122,6 +122,19 @@ def streamed_save(state: SwapState, original: Callable[..., Any]) -> Callable[..
     return save
 
 
+def _own_the_rest(opt: Any) -> None:
+    """Copy into RAM what the load left as views of the mapped file: sub-groups kept in RAM and
+    small optimizer state (Adam's step count).  One of them alive would keep the whole file
+    mapped, and every page read from it in the process's memory, until the engine goes."""
+    for flat in opt.fp32_partitioned_groups_flat:
+        if flat.numel():
+            flat.data = flat.data.clone()
+    for entries in opt.optimizer.state.values():
+        for value in entries.values():
+            if isinstance(value, torch.Tensor) and value.numel():
+                value.data = value.data.clone()
+
+
 def streamed_load(state: SwapState, engine: Any, original: Callable[..., Any]) -> Callable[..., Any]:
     """``original`` (DeepSpeed's ``_load_zero_checkpoint``) with the checkpoint mapped and the
     swapped sub-groups written back to their swap files one at a time."""
@@ -140,6 +153,7 @@ def streamed_load(state: SwapState, engine: Any, original: Callable[..., Any]) -
             for i in state.order:  # each sub-group through a swap buffer to its file
                 swapper.swap_out(state, i)
             swapper.flush(state)
+            _own_the_rest(opt)
             return out
         except BaseException:
             _empty_all(state)
