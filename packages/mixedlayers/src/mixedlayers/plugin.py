@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import override
 
 import zerohooks
@@ -146,8 +147,9 @@ class MixedLayersPlugin(ZeroPlugin):
 
 
 # -- hook factories ------------------------------------------------------------------------------
-PREPARED = "_mixedlayers_prepared"
-"""Attribute set on every parameter of a model mixedlayers prepared for an engine."""
+_PREPARED = WeakIdKeyDictionary()
+"""Every parameter of a model mixedlayers prepared for an engine, by identity (held weakly:
+nothing is stored on the parameters, and a parameter that is freed leaves it)."""
 
 
 def _refuse_prepared_model(model: nn.Module) -> None:
@@ -156,7 +158,7 @@ def _refuse_prepared_model(model: nn.Module) -> None:
     DeepSpeed cast (ZeRO 3: partitioned) its parameters for that engine, and the kept modules
     carry that engine's casts; a second engine built on them would crash in DeepSpeed (ZeRO 1/2:
     at the first backward) or be mistaken for a model built under ``deepspeed.zero.Init``."""
-    if any(getattr(p, PREPARED, False) for p in model.parameters()):
+    if any(p in _PREPARED for p in model.parameters()):
         raise ConfigError(
             "mixedlayers: this model was already prepared by mixedlayers for another engine (an earlier "
             "zerohooks.initialize on the same model object, or on modules shared with it): DeepSpeed cast "
@@ -169,7 +171,7 @@ def _refuse_prepared_model(model: nn.Module) -> None:
 
 def _mark_prepared(model: nn.Module) -> None:
     for p in model.parameters():
-        setattr(p, PREPARED, True)
+        _PREPARED[p] = True
 
 
 def _prepare_model(cfg: MixedLayersConfig, state: MixedState) -> PrepareModelHook:
