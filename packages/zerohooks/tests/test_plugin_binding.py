@@ -58,6 +58,38 @@ def test_binding_rules_without_an_engine() -> None:
     plugin.attach(HookRegistry(), ctx)
 
 
+class _Base(ZeroPlugin):
+    """A plugin reading ``self.deepspeed`` in its edit, with a read-only ``cfg`` property (the
+    shape of plugins written before ``ZeroPlugin`` set ``cfg`` itself)."""
+
+    name = "base"
+
+    @property
+    def cfg(self) -> PluginConfig:  # type: ignore[override]
+        return self.config
+
+    def edit_deepspeed_config(self, ds_config: dict) -> None:  # type: ignore[type-arg]
+        ds_config.setdefault("seen", []).append(("base", self.deepspeed.zero_stage))
+
+
+class _Derived(_Base):
+    name = "derived"
+
+    def edit_deepspeed_config(self, ds_config: dict) -> None:  # type: ignore[type-arg]
+        super().edit_deepspeed_config(ds_config)
+        ds_config["seen"].append(("derived", self.deepspeed.zero_stage))  # still inside the edit
+
+
+def test_subclass_calling_super_and_a_cfg_property() -> None:
+    plugin = _Derived()
+    assert plugin.cfg is plugin.config
+    cfg = ds_config(2)
+    plugin.edit_deepspeed_config(cfg)
+    assert cfg["seen"] == [("base", 2), ("derived", 2)]
+    with pytest.raises(RuntimeError, match="only available inside edit_deepspeed_config"):
+        plugin.deepspeed  # noqa: B018
+
+
 @pytest.mark.multirank
 @distributed(world_size=2)
 def test_a_plugin_object_serves_one_engine_at_a_time() -> None:

@@ -97,7 +97,8 @@ class ZeroPlugin:
             config = type(self).Config()  # every key at its default (a section of {})
         self.config = config
         """The validated config section."""
-        self.cfg = config
+        if not isinstance(getattr(type(self), "cfg", None), property):  # a subclass's own cfg property wins
+            self.cfg = config
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -206,11 +207,15 @@ def _checked(fn: F) -> F:
     @functools.wraps(fn)
     def edit_deepspeed_config(self: ZeroPlugin, ds_config: dict[str, Any]) -> None:
         self.check_unbound()
+        outer = self.__dict__.get("_zerohooks_editing")  # set when a subclass calls super()
         self.__dict__["_zerohooks_editing"] = ds_config
         try:
             fn(self, ds_config)
         finally:
-            self.__dict__.pop("_zerohooks_editing", None)
+            if outer is None:
+                self.__dict__.pop("_zerohooks_editing", None)
+            else:
+                self.__dict__["_zerohooks_editing"] = outer
 
     edit_deepspeed_config._zerohooks_binding = True  # type: ignore[attr-defined]
     return edit_deepspeed_config  # type: ignore[return-value]
