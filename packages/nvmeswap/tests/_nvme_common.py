@@ -259,10 +259,13 @@ def scenario_checkpoint(tmp: str) -> dict[str, Any]:
             return [p.detach().float().clone() for p in e.module.parameters()]
 
     masters_before = [torch.equal(m, w) for m, w in zip(masters(third), weights(third), strict=True)]
-    with zerohooks.trust_checkpoint_code(), _recording_loads() as trusted_reads:
-        third.load_checkpoint(ckpt, tag="s2", load_module_only=True)
+    third.load_checkpoint(ckpt, tag="s2", load_module_only=True)
     module_only = [torch.equal(m, w) for m, w in zip(masters(third), weights(third), strict=True)]
     module_only_losses = train(third, 1, first=2)
+    fourth = _build(config(f"{tmp}/ck_d{rank}", nvmeswap={}))
+    with zerohooks.trust_checkpoint_code(), _recording_loads() as trusted_reads:
+        fourth.load_checkpoint(ckpt, tag="s2")
+    del fourth
     consolidated_equal = None
     if rank == 0:
         sd = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="s2")

@@ -106,12 +106,15 @@ def test_checkpoint_resume_bit_exact(two_ranks: list[dict[str, Any]]) -> None:
 
 def test_checkpoint_files_are_read_mapped_and_without_code(two_ranks: list[dict[str, Any]]) -> None:
     """nvmeswap's optimizer file (12 bytes a parameter) is mapped, never read into RAM whole
-    (``mmap=True``), and still read weights-only (zerohooks' guard); a trusted folder is mapped too."""
+    (``mmap=True``), and still read weights-only (zerohooks' guard); in a trusted folder it is
+    mapped too.  The model-states file (the user's client_state) is read as usual."""
     for r in two_ranks:
         ck = r["checkpoint"]
-        optim = [c for c in ck["reads"] if c[0].endswith("optim_states.pt")]
-        assert optim and all(weights_only and mmap for _, weights_only, mmap in optim), ck["reads"]
-        assert ck["trusted_reads"] and all(mmap for *_, mmap in ck["trusted_reads"]), ck["trusted_reads"]
+        for reads, weights_only in ((ck["reads"], True), (ck["trusted_reads"], False)):
+            optim = [c for c in reads if c[0].endswith("optim_states.pt")]
+            model = [c for c in reads if c[0].endswith("model_states.pt")]
+            assert optim and all(c[1:] == (weights_only, True) for c in optim), reads
+            assert model and all(c[1:] == (weights_only, False) for c in model), reads
         # and the mapping ends with the load (nothing DeepSpeed keeps, e.g. Adam's step count,
         # holds the whole file's pages in the process)
         assert ck["still_mapped"] == [], ck["still_mapped"]

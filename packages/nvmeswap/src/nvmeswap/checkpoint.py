@@ -123,15 +123,15 @@ def streamed_save(state: SwapState, original: Callable[..., Any]) -> Callable[..
 
 
 def _own_the_rest(opt: Any) -> None:
-    """Copy into RAM what the load left as views of the mapped file: sub-groups kept in RAM and
-    small optimizer state (Adam's step count).  One of them alive would keep the whole file
-    mapped, and every page read from it in the process's memory, until the engine goes."""
-    for flat in opt.fp32_partitioned_groups_flat:
-        if flat.numel():
-            flat.data = flat.data.clone()
-    for entries in opt.optimizer.state.values():
-        for value in entries.values():
-            if isinstance(value, torch.Tensor) and value.numel():
+    """Copy into RAM what the load left as views of the mapped file: the moments of sub-groups
+    kept in RAM, small optimizer state (Adam's step counts) and tensor hyper-parameters.  One of
+    them alive would keep the whole file mapped, and every page read from it in the process's
+    memory, until the engine goes.  (The fp32 masters are not among them: DeepSpeed copies the
+    saved ones into its own, and a swapped sub-group's are empty by now.)"""
+    inner = opt.optimizer
+    for entries in [*inner.state.values(), *inner.param_groups]:
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor) and value.numel() and key != "params":
                 value.data = value.data.clone()
 
 

@@ -17,8 +17,9 @@ built by zerohooks (nothing global, plain ``deepspeed.initialize`` engines are u
    the scan and the read is still refused (on the rank that read it) rather than run.
 
 An engine whose plugin asked for it (:func:`zerohooks.adapter.seams.read_checkpoints_mapped`,
-nvmeswap) reads the files memory-mapped (``mmap=True``): the tensors DeepSpeed keeps refer to the
-file's pages, not to RAM, whether the folder is trusted or not.
+nvmeswap) reads DeepSpeed's optimizer-state files memory-mapped (``mmap=True``): the tensors
+DeepSpeed loads from them refer to the file's pages, not to RAM, whether the folder is trusted or
+not.  The model-states file (with the user's ``client_state``) is read as usual.
 
 A user who trusts a checkpoint folder that holds other objects (the usual case: a
 ``client_state`` with objects of their own) loads it inside :func:`trust_checkpoint_code`.
@@ -31,6 +32,7 @@ import contextvars
 import importlib
 import os
 import pickle
+import zipfile
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -145,14 +147,25 @@ def _refused(path: str, rank: int, found: str) -> CheckpointStateError:
     )
 
 
+def _mapped(path: Any, mmap: bool) -> bool:
+    """Whether to map ``path``: only DeepSpeed's optimizer-state files (what a plugin streams
+    elsewhere), never the model-states file, whose ``client_state`` tensors go back to the user
+    (mapped, they would change under a later save to the same tag), and only torch's zip format
+    (the legacy one cannot be mapped)."""
+    name = os.path.basename(os.fspath(path))
+    return mmap and name.endswith("optim_states.pt") and zipfile.is_zipfile(os.fspath(path))
+
+
 def _weights_only_load(allowed: list[Any], rank: int, mmap: bool) -> Callable[..., Any]:
     """A ``checkpoint_engine.load`` that reads with ``weights_only=True`` and ``allowed``
-    (memory-mapped when ``mmap``)."""
+    (DeepSpeed's optimizer files memory-mapped when ``mmap``)."""
 
     def load(path: str, map_location: Any = None) -> Any:
         with torch.serialization.safe_globals(allowed):
             try:
-                return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+                return torch.load(
+                    path, map_location=map_location, weights_only=True, mmap=_mapped(path, mmap)
+                )
             except pickle.UnpicklingError as e:
                 if "Weights only load failed" not in str(e):
                     raise
@@ -162,8 +175,8 @@ def _weights_only_load(allowed: list[Any], rank: int, mmap: bool) -> Callable[..
 
 
 def _trusted_mapped_load(path: str, map_location: Any = None) -> Any:
-    """DeepSpeed's own read (inside :func:`trust_checkpoint_code`), memory-mapped."""
-    return torch.load(path, map_location=map_location, weights_only=False, mmap=True)
+    """DeepSpeed's own read (inside :func:`trust_checkpoint_code`), its optimizer files memory-mapped."""
+    return torch.load(path, map_location=map_location, weights_only=False, mmap=_mapped(path, True))
 
 
 def _is_torch_engine(engine: Any) -> bool:

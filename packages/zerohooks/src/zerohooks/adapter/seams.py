@@ -178,8 +178,9 @@ def check_before_save(att: Attachment, check: Callable[[], None]) -> None:
 
 
 def read_checkpoints_mapped(att: Attachment) -> None:
-    """Read this engine's DeepSpeed checkpoint files with ``torch.load(..., mmap=True)`` (trusted
-    or weights-only alike, :mod:`zerohooks.adapter.dsfiles`): the tensors DeepSpeed loads are views
+    """Read this engine's DeepSpeed optimizer-state files with ``torch.load(..., mmap=True)``
+    (trusted or weights-only alike, :mod:`zerohooks.adapter.dsfiles`; the model-states file, with
+    the user's ``client_state``, is read as usual): the tensors DeepSpeed loads are views
     of the file's pages, which the kernel can drop and read again, so a checkpoint bigger than
     the RAM loads, as long as the plugin moves them elsewhere one piece at a time (nvmeswap's
     optimizer state, 12 bytes a parameter)."""
