@@ -83,9 +83,11 @@ SURFACE: tuple[Internal, ...] = (
         "zerohooks",
         ENGINE,
         _ALL,
-        patch="_take_model_step backward _backward_prologue _backward_epilogue step save_checkpoint load_checkpoint",
-        read="skipped_steps global_steps micro_steps is_gradient_accumulation_boundary module optimizer",
+        patch="_take_model_step forward backward _backward_prologue _backward_epilogue step save_checkpoint load_checkpoint",
+        read="skipped_steps global_steps micro_steps is_gradient_accumulation_boundary module optimizer zero_optimization_partition_weights",
     ),
+    # engine.destroy releases zerohooks first where it exists; universal checkpoints' own tag file
+    *_entries("zerohooks", ENGINE, _ALL, optional="destroy load_universal_checkpoint"),
     # checkpoint loads read DeepSpeed's files with weights_only=True (adapter/dsfiles.py): the
     # engine's checkpoint engine and the DeepSpeed classes its files may hold; without them the
     # load falls back to torch's own weights-only reader, so none is required when an engine is built
@@ -137,7 +139,9 @@ SURFACE: tuple[Internal, ...] = (
         patch="gradient_accumulation_dtype use_separate_grad_accum use_grad_accum_attribute _gradient_reduction_buffer_dtype",
         read="_get_param_group_idx _use_compact_grad_partition_buffer averaged_gradients grad_start_offset grad_partition_insertion_offset partition_size real_dp_process_group _get_compact_grad_partition_slice get_param_id contiguous_gradients reduce_bucket_size",
     ),
-    *_entries("accumdtype", ENGINE, _ALL, patch="save_checkpoint"),
+    *_entries(
+        "accumdtype", ENGINE, _ALL, patch="save_checkpoint", read="global_rank gradient_accumulation_steps"
+    ),
     *_entries(
         "accumdtype",
         ZERO3,
@@ -149,7 +153,7 @@ SURFACE: tuple[Internal, ...] = (
     *_entries("zerohooks", ZERO12, (1, 2), optional="dynamic_loss_scale"),
     *_entries("zerohooks", ZERO3, (3,), optional="dynamic_loss_scale"),
     # -- autocastzero: loss scaling and the forward under autocast ----------------------------------
-    *_entries("autocastzero", ENGINE, _ALL, patch="forward"),
+    *_entries("autocastzero", ENGINE, _ALL, patch="forward", optional="global_rank"),
     *_entries("autocastzero", ENGINE, (0,), patch="torch_autocast_z0_gradscaler"),
     *_entries(
         "autocastzero",
@@ -166,6 +170,7 @@ SURFACE: tuple[Internal, ...] = (
         read="overflow check_overflow _loss_scale_update_and_overflow_cleanup",
     ),
     # -- mixedlayers: fp32 accumulation and staging (ZeRO 1/2), the flat partitions (ZeRO 3) --------
+    *_entries("mixedlayers", ENGINE, _ALL, read="zero_optimization_stage"),
     *_entries(
         "mixedlayers",
         ZERO12,
@@ -185,7 +190,7 @@ SURFACE: tuple[Internal, ...] = (
         ZERO3,
         (3,),
         patch="_offload_grad_partition_at_boundary _prepare_sub_group _release_sub_group unscale_and_clip_grads _optimizer_step _get_fp32_grad_state_partition _get_fp32_opt_state_partition set_full_hp_param set_local_hp_param _restore_from_bit16_weights",
-        read="fp32_partitioned_groups_flat fp16_partitioned_groups_flat_numel grad_position norm_for_param_grads __param_id_to_grad_partition _constant_buffered_norm2 sub_group_to_group_id",
+        read="fp32_partitioned_groups_flat fp16_partitioned_groups_flat_numel grad_position norm_for_param_grads __param_id_to_grad_partition _constant_buffered_norm2 sub_group_to_group_id get_param_id optimizer",
     ),
     *_entries("nvmeswap", ENGINE, (3,), patch="_save_zero_checkpoint _load_zero_checkpoint"),
     # while DeepSpeed builds the optimizer (nvmeswap.deferred: skipped on a DeepSpeed without them);
@@ -196,6 +201,7 @@ SURFACE: tuple[Internal, ...] = (
         (3,),
         patch="_rigid_load_state_dict",
         optional_patch="_create_momentum_buffer initialize_optimizer_states",
+        optional="fp16_partitioned_groups_flat subgroup_to_device offload_optimizer_pin_memory use_muon",
     ),
 )
 """Every DeepSpeed name zerohooks and its plugins read or patch (see :class:`Internal`)."""
