@@ -40,12 +40,12 @@ def summary(checkout: Path) -> dict[str, object]:
     """Counts and edges of one checkout's ``packages/*/src`` trees."""
     graph = edges(sorted((checkout / "packages").glob("*/src")))
     rings = cycles(graph)
-    in_ring = {m for ring in rings for m in ring}
+    ring_of = {m: k for k, ring in enumerate(rings) for m in ring}
     top = Counter((a.split(".")[0], b.split(".")[0]) for a, b in graph)
     return {
         "graph": graph,
         "cycles": rings,
-        "cycle_edges": {(a, b) for a, b in graph if a in in_ring and b in in_ring},
+        "cycle_edges": {(a, b) for a, b in graph if a in ring_of and ring_of[a] == ring_of.get(b)},
         "modules": len({m for e in graph for m in e}),
         "edges": len(graph),
         "zerohooks_to_plugin": sorted(
@@ -76,6 +76,11 @@ def _layers(nodes: set[str], graph: set[tuple[str, str]]) -> dict[str, int]:
     return depth
 
 
+def _node(module: str) -> str:
+    """The box a module is drawn in: itself for zerohooks, its package for a plugin."""
+    return module if module.split(".")[0] == "zerohooks" else module.split(".")[0]
+
+
 def _short(name: str) -> str:
     return name.removeprefix("zerohooks.") if name != "zerohooks" else "zerohooks/__init__"
 
@@ -102,17 +107,13 @@ def draw(panels: list[tuple[str, dict[str, object]]], path: Path) -> None:
                 pos[n] = ((k + 0.5) / len(names), d + (0.25 if k % 2 else 0.0))
         for k, p in enumerate(PLUGINS):
             pos[p] = ((k + 0.5) / len(PLUGINS), top)
-        collapsed = {
-            (
-                a if a.startswith("zerohooks") else a.split(".")[0],
-                b if b.startswith("zerohooks") else b.split(".")[0],
-            )
-            for a, b in graph
-        }
+        # each plugin drawn as one box: its modules' edges collapse onto it
+        collapsed = {(_node(a), _node(b)) for a, b in graph}
+        red_boxes = {(_node(a), _node(b)) for a, b in red}
         for a, b in sorted(collapsed):
             if a == b or a not in pos or b not in pos:
                 continue
-            bad = any((x, y) in red for x, y in graph if x.startswith(a) and y.startswith(b))
+            bad = (a, b) in red_boxes
             (x0, y0), (x1, y1) = pos[a], pos[b]
             ax.annotate(
                 "",
