@@ -81,17 +81,7 @@ class NvmeSwapPlugin(ZeroPlugin):
         att = zerohooks.attachment(engine)
         assert att is not None and self.base_folder is not None
         opt = engine.optimizer
-        needed = surface.needed(3, [self.name])
-        missing = [
-            i.name
-            for i in needed
-            if i.user == self.name and i.owner == surface.ZERO3 and not hasattr(opt, i.name)
-        ]
-        if missing:
-            raise ConfigError(
-                f"nvmeswap: the ZeRO-3 optimizer ({type(opt).__name__}) lacks {missing}; this DeepSpeed "
-                "version is not supported (tested with 0.19.8)"
-            )
+        surface.check_object(opt, surface.ZERO3, 3, self.name)  # as accumdtype and mixedlayers do
         cfg = self.cfg
         fuse = _fused_choice(cfg, opt)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
