@@ -20,18 +20,22 @@ def write_report(
     markdown: str,
     plot: Callable[[Any, Path], None] | None = None,
     indent: int = 1,
+    echo: bool = True,
 ) -> None:
-    """Write ``<name>.json`` and ``<name>.md`` into ``out``, print the markdown, and draw
-    ``<name>.png`` with ``plot(results, path)`` when given (skipped, saying so, without matplotlib)."""
+    """Write ``<name>.json`` and ``<name>.md`` into ``out``, print the markdown (unless not
+    ``echo``: a partial report rewritten as a long benchmark goes), and draw ``<name>.png`` with
+    ``plot(results, path)`` when given (skipped, saying so, without matplotlib)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(results, indent=indent))
     (out / f"{name}.md").write_text(markdown + "\n")
-    print(markdown)
+    if echo:
+        print(markdown)
     if plot is None:
         return
     try:
         plot(results, out / f"{name}.png")
-        print(f"plot: {out / f'{name}.png'}")
+        if echo:
+            print(f"plot: {out / f'{name}.png'}")
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
 

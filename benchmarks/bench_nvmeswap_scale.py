@@ -376,13 +376,12 @@ def _summary(r: dict[str, Any], warmup: int, fio: dict[str, float]) -> dict[str,
 
 
 def _plot(payload: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from _report import save_figure  # this folder (run as a script)
+
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     names, fb, op = [], [], []
     for r in payload["runs"]:
@@ -401,8 +400,7 @@ def _plot(payload: dict[str, Any], path: Path) -> None:
     ax2.set(ylabel="seconds (median step)", title="step time")
     ax2.legend()
     ax2.tick_params(axis="x", rotation=20)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def _markdown(p: dict[str, Any]) -> str:
@@ -434,10 +432,10 @@ def _markdown(p: dict[str, Any]) -> str:
         )
     for k, v in p.get("derived", {}).items():
         lines.append(f"\n- {k}: {v}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
 
 
-def _write(payload: dict[str, Any], a: argparse.Namespace) -> None:
+def _write(payload: dict[str, Any], a: argparse.Namespace, echo: bool = False) -> None:
     byrun = {r["run"]: r.get("summary", {}) for r in payload["runs"]}
     derived: dict[str, Any] = {}
     if byrun.get("nvmeswap", {}).get("step_s") and byrun.get("deepspeed_nvme", {}).get("step_s"):
@@ -449,11 +447,10 @@ def _write(payload: dict[str, Any], a: argparse.Namespace) -> None:
     if "resume" in payload:
         derived["resume bit-exact"] = payload["resume"]["bit_exact"]
     payload["derived"] = derived
-    stem = a.out or str(OUT / ("nvmeswap_scale_small" if a.small else "nvmeswap_scale"))
-    os.makedirs(os.path.dirname(stem), exist_ok=True)
-    Path(stem + ".json").write_text(json.dumps(payload, indent=1))
-    Path(stem + ".md").write_text(_markdown(payload))
-    _plot(payload, Path(stem + ".png"))
+    from _report import write_report  # this folder (run as a script)
+
+    stem = Path(a.out or OUT / ("nvmeswap_scale_small" if a.small else "nvmeswap_scale")).absolute()
+    write_report(stem.parent, stem.name, payload, _markdown(payload), _plot, echo=echo)
 
 
 def main() -> None:
@@ -560,8 +557,7 @@ def main() -> None:
     finally:
         for name in (*RUNS, "ckpt"):
             shutil.rmtree(os.path.join(a.folder, name), ignore_errors=True)
-    _write(payload, a)
-    print(_markdown(payload), flush=True)
+    _write(payload, a, echo=True)
 
 
 if __name__ == "__main__":
