@@ -27,6 +27,7 @@ import enum
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -53,6 +54,8 @@ PACKAGES_DIR = ROOT / "packages"
 INTEGRATION_DIR = ROOT / "tests" / "integration"
 FRAMEWORKS_DIR = ROOT / "tests" / "frameworks"
 TORCH_EXTENSIONS_ROOT = ROOT / ".torch_extensions"
+JUNIT_DIR = ROOT / "reports" / "ci" / "junit"
+"""Each pytest run's JUnit file (one per session), read by tools/ci_report.py."""
 LINT_PATHS = ("packages", "tests", "examples", "benchmarks", "tools", "noxfile.py")
 
 
@@ -348,7 +351,17 @@ def _pytest(session: nox.Session, folder: Path) -> None:
     # exit code 5 = "no tests collected" (e.g. everything deselected by -m/-k): not a failure.
     # A test past PYTEST_TIMEOUT seconds fails with its traceback (pytest-timeout; see pyproject.toml)
     session.env.setdefault("PYTEST_TIMEOUT", os.environ.get("PYTEST_TIMEOUT", "1200"))
-    session.run("pytest", str(folder.relative_to(ROOT)), *session.posargs, success_codes=[0, 5])
+    # every test's time and outcome, for tools/ci_report.py (.ci/run prints where the time went)
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", session.name).strip("_")
+    junit = JUNIT_DIR / f"{safe}.xml"
+    junit.parent.mkdir(parents=True, exist_ok=True)
+    session.run(
+        "pytest",
+        str(folder.relative_to(ROOT)),
+        f"--junitxml={junit}",
+        *session.posargs,
+        success_codes=[0, 5],
+    )
 
 
 # ------------------------------------------------------------------------------------------------
