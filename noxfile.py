@@ -19,6 +19,9 @@ Environment variables:
                             exists). pip reads pip.conf; uv does not, so nox passes them explicitly.
     ZEROHOOKS_CPU_ONLY=1    fail a session if any nvidia-* / triton wheel got installed (set by .ci/run).
     ZEROHOOKS_STALE_LOCK_MINUTES  JIT build locks older than this are removed (default 30).
+    ZEROHOOKS_NATIVE_CACHE  the folder where the plugins' kernels, built once, are shared by every
+                            session's venv (default .torch_extensions/shared-native; see
+                            zerohooks.nativecache); set it empty to build in each venv.
 """
 
 from __future__ import annotations
@@ -215,6 +218,9 @@ def _use_jit_dir(session: nox.Session, name: str | None = None) -> None:
         except FileNotFoundError:
             pass
     session.env["TORCH_EXTENSIONS_DIR"] = str(folder)
+    # the plugins' kernels, built once and loaded by every session's venv (zerohooks.nativecache:
+    # keyed by sources, flags, torch, Python and compiler, so a venv never loads a stale build)
+    session.env.setdefault("ZEROHOOKS_NATIVE_CACHE", str(TORCH_EXTENSIONS_ROOT / "shared-native"))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ def test_the_kernel_build_is_announced(tmp_path: Path, monkeypatch: pytest.Monke
     import zerohooks.jit
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv("ZEROHOOKS_NATIVE_CACHE", raising=False)  # no shared build instead of the fake one
     events: list[Any] = []
 
     @contextlib.contextmanager

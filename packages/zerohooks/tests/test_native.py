@@ -17,6 +17,12 @@ from zerohooks import build as zbuild
 from zerohooks.native import NativeExtension
 
 
+@pytest.fixture(autouse=True)
+def _no_shared_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiler is faked here: a build shared by nox's sessions must not stand in for it."""
+    monkeypatch.delenv("ZEROHOOKS_NATIVE_CACHE", raising=False)
+
+
 def _ext(tmp_path: Path, **kw: Any) -> NativeExtension:
     src = tmp_path / "k.cpp"
     src.write_text("int k() { return 1; }\n")

@@ -174,6 +174,38 @@ class NativeExtension:
         )
 
     def _build(self) -> Any:
+        """Load a build shared by another environment (:mod:`zerohooks.nativecache`, when
+        ``ZEROHOOKS_NATIVE_CACHE`` is set) or build it; a new build is then shared."""
+        from zerohooks import nativecache
+
+        digest = None
+        if nativecache.cache_dir() is not None:
+            digest = nativecache.key(
+                self.name,
+                self.sources,
+                flags=(self.cflags, self.ldflags, self.cuda_cflags or ()),
+                include_paths=self.include_paths,
+                python_module=self.python_module,
+            )
+            hit = nativecache.lookup(self.name, digest)
+            if hit is not None:
+                try:
+                    return nativecache.load_library(self.name, hit, self.python_module)
+                except Exception as e:  # damaged or foreign: build as if it were not there
+                    warnings.warn(
+                        f"{self.owner}: the shared build {hit} did not load ({type(e).__name__}: {e}); "
+                        "building it again",
+                        RuntimeWarning,
+                        stacklevel=5,
+                    )
+        built = self._jit_build()
+        if digest is not None:
+            path = built if isinstance(built, str) else getattr(built, "__file__", None)
+            if path:
+                nativecache.store(self.name, digest, Path(path))
+        return built
+
+    def _jit_build(self) -> Any:
         from torch.utils import cpp_extension
 
         from zerohooks.jit import announce_build, extension_cached

@@ -1,0 +1,100 @@
+"""zerohooks.nativecache: one real build shared by environments (processes with their own
+TORCH_EXTENSIONS_DIR), never a stale one.
+
+A tiny C++ library (no torch headers, so it compiles in about a second) is built for real by
+``NativeExtension.load`` in one process; a second process with an empty build folder of its own
+loads the stored library without building; a changed header beside the source, or changed
+flags, give another key and a real build."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from zerohooks import nativecache
+
+_CHILD = textwrap.dedent(
+    """
+    import ctypes, json, sys, warnings
+    from pathlib import Path
+    from zerohooks.native import NativeExtension
+    src, flag = Path(sys.argv[1]), sys.argv[2]
+    ext = NativeExtension(owner="demo", name="zh_cache_demo", what="the demo library", sources=(src,),
+                          why="a test", eta="1 s", fallback="nothing", cflags=("-O1", flag))
+    warnings.simplefilter("error")
+    assert ext.load(), ext.error
+    from zerohooks.jit import extension_build_dir
+    built = sorted(p.name for p in extension_build_dir("zh_cache_demo").glob("*.so"))
+    import torch
+    libs = [p for p in torch.ops.loaded_libraries if "zh_cache_demo" in p]
+    answer = ctypes.CDLL(libs[0]).zh_answer()
+    print("CHILD " + json.dumps({"built": built, "libs": libs, "answer": answer}))
+    """
+)
+
+
+def _child(src: Path, ext_dir: Path, cache: Path, flag: str = "-DZH=1") -> dict[str, object]:
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext_dir), nativecache.ENV: str(cache)}
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(src), flag], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("CHILD "))
+    return json.loads(line.removeprefix("CHILD "))  # type: ignore[no-any-return]
+
+
+@pytest.mark.skipif(
+    not any(os.access(os.path.join(d, "c++"), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep)),
+    reason="no C++ compiler",
+)
+def test_a_build_is_shared_and_never_stale(tmp_path: Path) -> None:
+    src_dir = tmp_path / "csrc"
+    src_dir.mkdir()
+    header = src_dir / "answer.h"
+    header.write_text("#define ZH_ANSWER 41\n")
+    src = src_dir / "demo.cpp"
+    src.write_text('#include "answer.h"\nextern "C" int zh_answer() { return ZH_ANSWER + 1; }\n')
+    cache = tmp_path / "shared"
+
+    first = _child(src, tmp_path / "ext-a", cache)
+    assert first["built"] == ["zh_cache_demo.so"] and first["answer"] == 42
+    stored = sorted(cache.glob("zh_cache_demo-*/zh_cache_demo*"))
+    assert len(stored) == 1
+
+    second = _child(
+        src, tmp_path / "ext-b", cache
+    )  # another "venv": nothing built, the stored library loaded
+    assert second["built"] == [] and second["answer"] == 42
+    assert second["libs"] == [str(stored[0])]
+
+    header.write_text("#define ZH_ANSWER 99\n")  # a header beside the source changed: a new key, a build
+    third = _child(src, tmp_path / "ext-c", cache)
+    assert third["built"] == ["zh_cache_demo.so"] and third["answer"] == 100
+    assert len(list(cache.glob("zh_cache_demo-*"))) == 2
+
+    fourth = _child(src, tmp_path / "ext-d", cache, flag="-DZH=2")  # other flags: another key
+    assert fourth["built"] == ["zh_cache_demo.so"] and fourth["answer"] == 100
+
+
+def test_off_without_the_variable_and_keys_cover_the_inputs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(nativecache.ENV, raising=False)
+    assert nativecache.cache_dir() is None and nativecache.lookup("x", "0") is None
+    assert nativecache.store("x", "0", Path(__file__)) is None
+    src = tmp_path / "a.cpp"
+    src.write_text("int a;\n")
+    base = dict(flags=(("-O3",),), python_module=False)
+    k = nativecache.key("x", [src], **base)  # type: ignore[arg-type]
+    assert k == nativecache.key("x", [src], **base)  # type: ignore[arg-type]
+    assert k != nativecache.key("y", [src], **base)  # type: ignore[arg-type]
+    assert k != nativecache.key("x", [src], flags=(("-O2",),), python_module=False)
+    assert k != nativecache.key("x", [src], flags=(("-O3",),), python_module=True)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    assert k != nativecache.key("x", [src], **base)  # type: ignore[arg-type]
