@@ -11,7 +11,7 @@ from the same inputs and :func:`store` keeps a new build there (copied in under 
 name, then renamed, so a reader never sees half a file).  The key covers everything that
 decides the binary: the contents of every file in the source folders and the extra include
 folders, the flags, the extension's kind, the torch build (version, git revision, CUDA/HIP
-version, C++ ABI flag), the Python ABI, the machine, the compiler's own ``--version`` and
+version, C++ ABI flag), the Python ABI, the machine, the compiler's own ``--version`` (and nvcc's, for CUDA sources) and
 ``TORCH_CUDA_ARCH_LIST``.  Anything that changes a byte of these gives another key, so a stale
 library is never loaded; unset, nothing is looked up or stored (the default outside nox).
 """
@@ -46,8 +46,7 @@ def cache_dir() -> Path | None:
     return Path(folder) if folder else None
 
 
-def _compiler_version() -> str:
-    cxx = os.environ.get("CXX") or "c++"
+def _compiler_version(cxx: str) -> str:
     try:
         out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.SubprocessError) as e:
@@ -99,7 +98,10 @@ def key(
     add("python", sys.implementation.cache_tag or "")
     add("abiflags", getattr(sys, "abiflags", ""))
     add("machine", platform.machine())
-    add("compiler", _compiler_version())
+    add("compiler", _compiler_version(os.environ.get("CXX") or "c++"))
+    if any(s.suffix in (".cu", ".cuh") for s in sources):
+        cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+        add("nvcc", _compiler_version(os.path.join(cuda_home, "bin", "nvcc") if cuda_home else "nvcc"))
     add("arch_list", os.environ.get("TORCH_CUDA_ARCH_LIST", ""))
     return h.hexdigest()[:24]
 
