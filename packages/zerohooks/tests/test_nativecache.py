@@ -98,3 +98,44 @@ def test_off_without_the_variable_and_keys_cover_the_inputs(
     assert k != nativecache.key("x", [src], flags=(("-O3",),), python_module=True)
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
     assert k != nativecache.key("x", [src], **base)  # type: ignore[arg-type]
+
+
+_PYMOD = """
+#include <Python.h>
+static PyObject* answer(PyObject*, PyObject*) { return PyLong_FromLong(ZH_ANSWER); }
+static PyMethodDef methods[] = {{"answer", answer, METH_NOARGS, ""}, {nullptr, nullptr, 0, nullptr}};
+static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "zh_ds_demo", nullptr, -1, methods};
+PyMODINIT_FUNC PyInit_zh_ds_demo() { return PyModule_Create(&mod); }
+"""
+
+_DS_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    from torch.utils import cpp_extension
+    from zerohooks import nativecache
+    from zerohooks.jit import extension_build_dir
+    load = nativecache.caching_load(cpp_extension.load)  # as DeepSpeed's builder calls it
+    m = load(name="zh_ds_demo", sources=[sys.argv[1]], extra_include_paths=[], extra_cflags=["-DZH_ANSWER=42"],
+             extra_cuda_cflags=[], extra_ldflags=[], with_cuda=None, verbose=False)
+    built = sorted(p.name for p in extension_build_dir("zh_ds_demo").glob("*.so"))
+    print("CHILD " + json.dumps({"answer": m.answer(), "file": m.__file__, "built": built}))
+    """
+)
+
+
+def test_deepspeed_style_loads_share_their_build(tmp_path: Path) -> None:
+    src = tmp_path / "op" / "zh_ds_demo.cpp"
+    src.parent.mkdir()
+    src.write_text(_PYMOD)
+    cache = tmp_path / "shared"
+    seen = []
+    for ext in ("a", "b"):
+        env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / ext), nativecache.ENV: str(cache)}
+        out = subprocess.run(
+            [sys.executable, "-c", _DS_CHILD, str(src)], capture_output=True, text=True, env=env, timeout=600
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        seen.append(json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("CHILD "))[6:]))
+    assert seen[0]["answer"] == seen[1]["answer"] == 42
+    assert seen[0]["built"] == ["zh_ds_demo.so"] and seen[1]["built"] == []  # the second built nothing
+    assert seen[1]["file"].startswith(str(cache))

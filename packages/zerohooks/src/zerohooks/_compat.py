@@ -186,10 +186,26 @@ def announce_deepspeed_op_builds() -> bool:
             name,
             ("DeepSpeed builds it just in time", "a minute or more", "python -m zerohooks.build --all"),
         )
-        with announce_build(
-            f"DeepSpeed's {name} op", why=why, eta=eta, hint=hint, cached=extension_cached(name)
-        ):
-            return original(self, *args, **kwargs)
+        from zerohooks import nativecache
+
+        if nativecache.cache_dir() is None:
+            with announce_build(
+                f"DeepSpeed's {name} op", why=why, eta=eta, hint=hint, cached=extension_cached(name)
+            ):
+                return original(self, *args, **kwargs)
+        # a build shared by other environments (ZEROHOOKS_NATIVE_CACHE): DeepSpeed's builder
+        # imports cpp_extension.load when it runs, so it finds the caching one for this call
+        from torch.utils import cpp_extension
+
+        real = cpp_extension.load
+        cpp_extension.load = nativecache.caching_load(real)
+        try:
+            with announce_build(
+                f"DeepSpeed's {name} op", why=why, eta=eta, hint=hint, cached=extension_cached(name)
+            ):
+                return original(self, *args, **kwargs)
+        finally:
+            cpp_extension.load = real
 
     jit_load._zerohooks_announced = True  # type: ignore[attr-defined]
     OpBuilder.jit_load = jit_load

@@ -28,11 +28,11 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ENV", "cache_dir", "key", "load_library", "lookup", "store"]
+__all__ = ["ENV", "cache_dir", "caching_load", "key", "load_library", "lookup", "store"]
 
 ENV = "ZEROHOOKS_NATIVE_CACHE"
 """The environment variable naming the shared folder (unset or empty: no sharing)."""
@@ -155,3 +155,49 @@ def load_library(name: str, path: Path, python_module: bool) -> Any:
 
     torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]
     return str(path)
+
+
+def caching_load(real_load: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.utils.cpp_extension.load`` that first looks in the shared folder and keeps what
+    it builds there: for DeepSpeed's own just-in-time ops, whose builder calls ``load`` itself
+    (see :func:`zerohooks._compat.announce_deepspeed_op_builds`).  Calls it cannot key (no
+    sharing, or arguments other than the usual keywords) go straight to ``real_load``."""
+
+    def load(*args: Any, **kwargs: Any) -> Any:
+        name, sources = kwargs.get("name"), kwargs.get("sources")
+        known = {
+            "name",
+            "sources",
+            "extra_cflags",
+            "extra_cuda_cflags",
+            "extra_ldflags",
+            "extra_include_paths",
+            "with_cuda",
+            "verbose",
+        }
+        if cache_dir() is None or args or not name or not sources or set(kwargs) - known:
+            return real_load(*args, **kwargs)
+        python_module = True  # DeepSpeed's ops are pybind11 modules (load's default)
+        digest = key(
+            str(name),
+            [Path(s) for s in sources],
+            flags=(
+                list(kwargs.get("extra_cflags") or ()),
+                list(kwargs.get("extra_cuda_cflags") or ()),
+                list(kwargs.get("extra_ldflags") or ()),
+                [str(kwargs.get("with_cuda"))],
+            ),
+            include_paths=[Path(p) for p in kwargs.get("extra_include_paths") or ()],
+            python_module=python_module,
+        )
+        hit = lookup(str(name), digest)
+        if hit is not None:
+            with contextlib.suppress(Exception):  # damaged or foreign: build it instead
+                return load_library(str(name), hit, python_module)
+        module = real_load(*args, **kwargs)
+        built = getattr(module, "__file__", None)
+        if built:
+            store(str(name), digest, Path(built))
+        return module
+
+    return load
