@@ -120,9 +120,8 @@ def markdown(data: dict[str, Any], pairs_markdown: Any) -> str:
         f"Command: `{data['command']}`",
     ]
     if data.get("remaining"):
-        lines.append(
-            f"Not done: {', '.join(data['remaining'])}; continue with `--skip {data['continue_skip']}`"
-        )
+        again = f"--skip {data['continue_skip']}" if data.get("continue_skip") else "no --skip"
+        lines.append(f"Not done: {', '.join(data['remaining'])}; a second run continues with `{again}`")
     lines += [f"- {n}" for n in data.get("notes", [])]
     lines += ["", "| section | status | seconds | budget (s) |", "|---|---|---|---|"]
     for s in data["sections"]:
