@@ -32,6 +32,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tools"))  # also when loaded by path, not run
 import suite_env  # noqa: E402
 import suite_plan  # noqa: E402
 from _procs import Outcome, kill_all, kill_group, reap, run_group, start  # noqa: E402

@@ -30,20 +30,24 @@ PY=${PYTHON:-python3}
 OUT_DIR=${OUT:-$PWD/suite-results}
 DEADLINE=500
 WORK=""
+BUDGET=""
+SKIP=""
 SUITE_ARGS=()
 while (($#)); do
     case "$1" in
     --out) OUT_DIR=$2; shift 2 ;;
     --deadline) DEADLINE=$2; shift 2 ;;
     --work) WORK=$2; shift 2 ;;
-    --budget) SUITE_ARGS+=(--budget "$2"); shift 2 ;;
-    --skip) SUITE_ARGS+=(--skip "$2"); shift 2 ;;
+    --budget) BUDGET=$2; shift 2 ;;
+    --skip) SKIP=$2; shift 2 ;;
     --cpu-smoke) SUITE_ARGS+=(--cpu-smoke); shift ;;
     --) shift; SUITE_ARGS+=("$@"); break ;;
     -h | --help) sed -n '2,25p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "run_suite.sh: unknown option $1 (accepted: --out DIR, --deadline SECONDS|Nm, --budget SECONDS, --skip S1,S2, --cpu-smoke, --work DIR, -- suite options)" >&2; exit 2 ;;
     esac
 done
+[[ -n $BUDGET ]] && SUITE_ARGS=(--budget "$BUDGET" "${SUITE_ARGS[@]}")
+[[ -n $SKIP ]] && SUITE_ARGS=(--skip "$SKIP" "${SUITE_ARGS[@]}")
 case "$DEADLINE" in
 *m) DEADLINE=$((${DEADLINE%m} * 60)) ;;
 esac

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import MutableMapping
 from pathlib import Path
 
 _NVCC_IN_SCRIPT = re.compile(r"""(/[^\s"'`;|&<>()]*/nvcc)(?=[\s"'`;|&<>()]|$)""")
@@ -44,7 +45,7 @@ def real_nvcc(path: str | Path, chain: list[str] | None = None, depth: int = 8) 
     return p
 
 
-def find_cuda_home(environ: dict[str, str] | None = None) -> tuple[str | None, str]:
+def find_cuda_home(environ: MutableMapping[str, str] | None = None) -> tuple[str | None, str]:
     """(CUDA_HOME, how it was found).  A CUDA_HOME (or CUDA_PATH) already set is kept when it holds
     the headers; else the real nvcc's folder when it does; else /usr/local/cuda when it does; else
     the real nvcc's folder all the same (never the wrapper's); else None (no nvcc)."""
@@ -77,7 +78,7 @@ def find_cuda_home(environ: dict[str, str] | None = None) -> tuple[str | None, s
     return real_home, "; ".join(notes)
 
 
-def ninja_dirs(environ: dict[str, str] | None = None) -> list[str]:
+def ninja_dirs(environ: MutableMapping[str, str] | None = None) -> list[str]:
     """Folders to put first on PATH for ninja when it is not on PATH: ``bin`` next to each
     PYTHONPATH entry (``pip install --target W/site`` puts the ninja wheel's script in W/site/bin)."""
     env = os.environ if environ is None else environ
@@ -90,7 +91,7 @@ def ninja_dirs(environ: dict[str, str] | None = None) -> list[str]:
     ][:1]
 
 
-def prepare(environ: dict[str, str] | None = None) -> dict[str, str]:
+def prepare(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """Set CUDA_HOME and PATH in ``environ`` (default os.environ) for the suite's children; what
     was decided, for results.json."""
     env = os.environ if environ is None else environ
