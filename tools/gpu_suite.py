@@ -38,6 +38,10 @@ import suite_plan  # noqa: E402
 from _procs import Outcome, kill_all, kill_group, reap, run_group, start  # noqa: E402
 from bench_gpu_pairs import AIO_PROBE, DONE_TAG, aio_probe_reason  # noqa: E402
 from bench_gpu_pairs import markdown as pairs_markdown  # noqa: E402  (standard library only)
+from bench_multirank import DONE_TAG as MULTIRANK_DONE  # noqa: E402
+from bench_multirank import markdown as multirank_markdown  # noqa: E402
+
+RENDER = {"pairs": pairs_markdown, "nvme": pairs_markdown, "multirank": multirank_markdown}
 
 INFO = r"""
 import ctypes.util, json, os, platform, sys
@@ -151,7 +155,7 @@ class Suite:
         tmp.write_text(json.dumps(self.data, indent=1))
         tmp.replace(self.out / "results.json")
         tmp = self.out / "results.md.tmp"
-        tmp.write_text(suite_plan.markdown(self.data, pairs_markdown))
+        tmp.write_text(suite_plan.markdown(self.data, RENDER))
         tmp.replace(self.out / "results.md")
         tmp = self.out / "logs.tgz.tmp"
         with tarfile.open(tmp, "w:gz") as t:
@@ -331,6 +335,26 @@ class Suite:
             if not smoke:
                 cmd += ["--rounds", "1", "--steps", "4", "--warmup", "2"]
             self.bench(rec, cmd)
+
+        smoke_why = "CPU smoke check: two ranks on one GPU need a CUDA device (bench_multirank.py --cpu checks the probe)"
+        rec = self.pre("multirank", no_gpu or (smoke_why if smoke else None))
+        if rec:
+            end, _ = self.window("multirank")
+            out = self.logs / "multirank.json"
+            cmd = [
+                py,
+                "benchmarks/bench_multirank.py",
+                "--out",
+                str(out),
+                "--timeout",
+                f"{max(end - time.time() - 3, 3):.0f}",
+            ]
+            got = self.run(rec, cmd, tag=MULTIRANK_DONE)
+            rec["data"] = d = _read_json(out)
+            ranks = (d or {}).get("ranks", [])
+            ops = ranks[0]["ops"] if ranks else {}
+            works = [op for op in ops if all(r["ops"].get(op, "").startswith("ok") for r in ranks)]
+            self.verdict(rec, got, f"{len(works)} of {len(ops)} operations work on both ranks")
 
     def build(self, cpus: int, no_gpu: str | None, background: bool) -> None:
         """The plugins' kernels: loco and nvmeswap side by side where there are >= 4 cores."""

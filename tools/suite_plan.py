@@ -55,6 +55,13 @@ PLAN: tuple[tuple[str, float, float, str], ...] = (
         8,
         "nvmeswap against DeepSpeed's NVMe offload, ZeRO 3, a 43 M-parameter GPT, 1 round (fits its budget)",
     ),
+    (
+        "multirank",
+        3,
+        5,
+        "two ranks on the one GPU over gloo (NCCL refuses two ranks on one device): which collectives "
+        "take CUDA tensors, loco's exchange on device buffers",
+    ),
 )
 SECTIONS = tuple(name for name, *_ in PLAN)
 
@@ -110,7 +117,8 @@ def remaining(sections: list[dict[str, Any]]) -> list[str]:
     return [n for n in SECTIONS if n not in done]
 
 
-def markdown(data: dict[str, Any], pairs_markdown: Any) -> str:
+def markdown(data: dict[str, Any], render: dict[str, Any]) -> str:
+    """results.md; ``render`` maps a section name to the function writing its data's markdown."""
     lines = [
         "# GPU suite results",
         "",
@@ -151,6 +159,6 @@ def markdown(data: dict[str, Any], pairs_markdown: Any) -> str:
                         lines.append(
                             f"| {variant} | {k} | {v.get('GBps', 0):.0f} | {v.get('fraction_of_copy', 0):.2f} |"
                         )
-        elif s["name"] in ("pairs", "nvme"):
-            lines.append(pairs_markdown(d))
+        elif s["name"] in render:
+            lines.append(render[s["name"]](d))
     return "\n".join(lines) + "\n"

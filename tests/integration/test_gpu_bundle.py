@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 VERSION = f"{sys.version_info[0]}.{sys.version_info[1]}"
-SECTIONS = ["info", "build", "gpu-tests", "loco-kernels", "pairs", "ds-aio-build", "nvme"]
+SECTIONS = ["info", "build", "gpu-tests", "loco-kernels", "pairs", "ds-aio-build", "nvme", "multirank"]
 TOP_FILES = {"results.json", "results.md", "logs.tgz", "console.log"}
 
 

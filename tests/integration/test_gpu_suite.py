@@ -90,6 +90,7 @@ def test_cpu_smoke_keeps_the_plan_under_a_60s_deadline(tmp_path: Path) -> None:
                 r["status"] in ("ok", "skipped") for r in d["results"]
             )
     assert sections["ds-aio-build"]["status"] == "skipped (CPU smoke check)"
+    assert sections["multirank"]["status"].startswith("skipped (CPU smoke check: two ranks on one GPU need")
     # 60 s on 2 cores cannot hold the kernel builds and every tiny run: something is cut, and says so
     assert {s["state"] for s in data["sections"]} & {"cut-limit", "cut-deadline"}, data["sections"]
     # every other file is in logs.tgz, the install log included
@@ -215,3 +216,19 @@ def test_a_child_printing_its_result_then_hanging_is_cut_quickly(tmp_path: Path)
         [sys.executable, "-c", "import time; time.sleep(300)"], 3, tag="BENCH_GPU_PAIRS_RESULT"
     )
     assert silent.cut and not silent.ok and 2.5 < time.time() - t < 12
+
+
+def test_multirank_probe_runs_two_ranks_on_cpu(tmp_path: Path) -> None:
+    """The multirank section's probe, on CPU tensors (on a GPU it takes CUDA ones): two processes
+    over gloo, each operation checked against its value, loco's point-to-point exchange included."""
+    out = tmp_path / "multirank.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_multirank.py"), "--cpu", "--out", str(out)]
+    proc = subprocess.run(cmd, timeout=150, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [r["rank"] for r in data["ranks"]] == [0, 1]
+    for r in data["ranks"]:
+        assert r["device"] == "cpu"
+        for op in ("all_reduce", "reduce_scatter_tensor", "all_to_all_single", "loco_p2p_all_to_all"):
+            assert r["ops"][op].startswith("ok ("), (op, r["ops"][op])
+    assert "| loco_p2p_all_gather_uint8 | ok" in proc.stdout
