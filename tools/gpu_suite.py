@@ -107,7 +107,8 @@ class Suite:
             raise SystemExit(
                 f"gpu_suite: unknown --skip {sorted(unknown)}; sections: {list(suite_plan.SECTIONS)}"
             )
-        total = min(budget - (now - started), self.deadline - now) - suite_plan.RESERVE_S
+        # --budget scales the plan; the deadline only stops (a plan past it is cut by the deadline)
+        total = budget - (now - started) - suite_plan.RESERVE_S
         active = [n for n in suite_plan.SECTIONS if n not in self.skip]
         plan = suite_plan.make_plan(max(total, 1.0))
         # the skipped sections' shares go to the others
@@ -142,6 +143,26 @@ class Suite:
         end = self.ends[name] if end is None else end
         return (end, "limit") if end <= self.hard_end() + 1 else (self.hard_end(), "deadline")
 
+    def written(self) -> dict[str, Any]:
+        """The results as the files say them at this moment: a section still running as cut by
+        the deadline, the sections not reached as not started, so that a suite killed without
+        warning (SIGKILL) leaves honest files; the next save replaces them."""
+        secs = []
+        for s in self.data["sections"]:
+            if s.get("state") == "running":
+                why = "the suite stopped while it ran"
+                s = dict(s, state="cut-deadline", status=suite_plan.status_text("cut-deadline", why))
+                s.pop("_t", None)
+            secs.append(s)
+        names = {s["name"] for s in secs}
+        why = suite_plan.status_text("cut-deadline", "not reached")
+        secs += [
+            {"name": n, "state": "cut-deadline", "status": why, "seconds": 0}
+            for n in suite_plan.SECTIONS
+            if n not in names
+        ]
+        return dict(self.data, sections=secs)
+
     def save(self) -> None:
         self.data["remaining"] = suite_plan.remaining(self.data["sections"])
         done = [
@@ -152,10 +173,11 @@ class Suite:
         self.data["continue_skip"] = ",".join(done)
         self.data["seconds"] = round(time.time() - self.t0, 1)
         tmp = self.out / "results.json.tmp"
-        tmp.write_text(json.dumps(self.data, indent=1))
+        data = self.written()
+        tmp.write_text(json.dumps(data, indent=1))
         tmp.replace(self.out / "results.json")
         tmp = self.out / "results.md.tmp"
-        tmp.write_text(suite_plan.markdown(self.data, RENDER))
+        tmp.write_text(suite_plan.markdown(data, RENDER))
         tmp.replace(self.out / "results.md")
         tmp = self.out / "logs.tgz.tmp"
         with tarfile.open(tmp, "w:gz") as t:
@@ -556,18 +578,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     finally:
         kill_all()
-    names = {s["name"] for s in suite.data["sections"]}
-    for n in suite_plan.SECTIONS:  # never reached (stopped from outside)
-        if n not in names:
-            suite.data["sections"].append(
-                {
-                    "name": n,
-                    "state": "cut-deadline",
-                    "status": suite_plan.status_text("cut-deadline", "not started"),
-                    "seconds": 0,
-                }
-            )
-    suite.save()
+    suite.save()  # the sections never reached (stopped from outside) are written as such
     with contextlib.suppress(OSError):
         print((suite.out / "results.md").read_text(), flush=True)
     return rc

@@ -89,6 +89,22 @@ on_signal() {
     [[ -n $CHILD ]] && kill -TERM "$CHILD" 2>/dev/null
     fail "stopped by $1 from outside during the install, $(($(date +%s) - T0)) s after the start"
 }
+# pip install for $PY, also where $PY has no pip (a venv made by uv): python3's pip with --python
+pip_install() {
+    local flags=(-q --no-index --no-deps --no-compile --disable-pip-version-check)
+    if "$PY" -m pip --version >/dev/null 2>&1; then
+        bg "$PY" -m pip install "${flags[@]}" "$@"
+    elif python3 -m pip --version >/dev/null 2>&1; then
+        echo "$PY has no pip: python3 -m pip --python $PY"
+        bg python3 -m pip --python "$PY" install "${flags[@]}" "$@"
+    elif command -v uv >/dev/null 2>&1; then
+        echo "$PY has no pip: uv pip --python $PY"
+        bg uv pip install -q --python "$PY" --no-index --no-deps "$@"
+    else
+        echo "no pip for $PY: neither $PY -m pip, python3 -m pip nor uv"
+        return 1
+    fi
+}
 trap 'on_signal SIGTERM' TERM
 trap 'on_signal SIGINT' INT
 
@@ -110,8 +126,7 @@ if [[ -d $HERE/wheels ]]; then
         fi
     done
     echo "=== [$(($(date +%s) - T0))s] installing ${#wheels[@]} wheels into $WORK/site" | tee -a "$LOG" >&2
-    bg "$PY" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check \
-        --target "$WORK/site" "${wheels[@]}" >>"$LOG" 2>&1 || fail "pip install --target $WORK/site failed"
+    pip_install --target "$WORK/site" "${wheels[@]}" >>"$LOG" 2>&1 || fail "pip install --target $WORK/site failed"
     export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
     # the ninja wheel's script: torch's extension builds need ninja on PATH
     if ! command -v ninja >/dev/null 2>&1 && [[ -x $WORK/site/bin/ninja ]]; then

@@ -19,7 +19,7 @@ PLAN: tuple[tuple[str, float, float, str], ...] = (
     (
         "info",
         4,
-        20,
+        25,
         "versions, device, CUDA_HOME, ninja; DeepSpeed's async_io probe alongside (its real reason)",
     ),
     (
@@ -71,8 +71,15 @@ deadline / skipped (why)."""
 
 
 def make_plan(total: float) -> dict[str, float]:
-    """Seconds for each section out of ``total``: shares by weight, but at least the floor."""
-    budgets: dict[str, float] = {}
+    """Seconds for each section out of ``total``: shares by weight, but at least the floor; where
+    the floors do not fit, the first sections (in order of value) get theirs and the last none."""
+    if sum(floor for _, _, floor, _ in PLAN) >= total:
+        budgets, left = {}, max(total, 0.0)
+        for n, _, floor, _ in PLAN:
+            budgets[n] = round(min(floor, left), 1)
+            left -= budgets[n]
+        return budgets
+    budgets = {}
     fixed: dict[str, float] = {}
     while True:
         free = total - sum(fixed.values())

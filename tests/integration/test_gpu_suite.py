@@ -144,7 +144,9 @@ def test_sigterm_from_outside_writes_results_and_kills_every_group(tmp_path: Pat
     cut = [s for s in data["sections"] if s["status"] == "cut by the deadline (SIGTERM from outside)"]
     assert len(cut) == 1 and cut[0]["name"] in ("build", "gpu-tests"), data["sections"]
     later = suite_plan.SECTIONS[suite_plan.SECTIONS.index(cut[0]["name"]) + 1 :]
-    assert all(s["state"] == "cut-deadline" for s in data["sections"] if s["name"] in later)
+    assert all(
+        s["status"] == "cut by the deadline (not reached)" for s in data["sections"] if s["name"] in later
+    )
     assert cut[0]["name"] in data["remaining"]
     time.sleep(0.5)
     assert _procs_with(mark) == [], "processes of the suite outlived its SIGTERM"
@@ -232,3 +234,21 @@ def test_multirank_probe_runs_two_ranks_on_cpu(tmp_path: Path) -> None:
         for op in ("all_reduce", "reduce_scatter_tensor", "all_to_all_single", "loco_p2p_all_to_all"):
             assert r["ops"][op].startswith("ok ("), (op, r["ops"][op])
     assert "| loco_p2p_all_gather_uint8 | ok" in proc.stdout
+
+
+def test_a_plan_past_the_deadline_is_cut_by_the_deadline(tmp_path: Path) -> None:
+    """--budget scales the plan, the deadline only stops: info planned for 20 s of a 200 s budget
+    under an 11 s deadline (3 s left after the reserve) is cut by the deadline (not by its own limit, and not ok)."""
+    out = tmp_path / "out"
+    skip = ",".join(n for n in suite_plan.SECTIONS if n != "info")
+    cmd = [sys.executable, str(ROOT / "tools" / "gpu_suite.py"), "--cpu-smoke", "--deadline-s", "11"]
+    cmd += ["--budget", "200", "--out", str(out), "--work", str(tmp_path / "w"), "--skip", skip]
+    t = time.time()
+    proc = subprocess.run(cmd, env=_env(tmp_path), timeout=120, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert time.time() - t < 11 + 5
+    data = _check_results(out)
+    assert data["plan"]["info"] > 11 and data["budget_s"] == 200
+    info = data["sections"][0]
+    assert info["state"] == "cut-deadline" and info["status"].startswith("cut by the deadline ("), info
+    assert data["remaining"] == ["info"]
