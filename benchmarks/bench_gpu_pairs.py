@@ -159,8 +159,9 @@ try:
     try:
         import distutils.ccompiler  # noqa: F401  (DeepSpeed's has_function compiles its test with it)
     except Exception as e:
-        raise RuntimeError(f"import distutils failed ({type(e).__name__}: {e}; Python 3.12 has no distutils: "
-                           "install setuptools)") from None
+        r["reason"] = (f"import distutils failed ({type(e).__name__}: {e}; Python 3.12 has no distutils: "
+                       "install setuptools)")
+        raise
     import ctypes.util
     from deepspeed.ops.op_builder import AsyncIOBuilder
     ok = AsyncIOBuilder().is_compatible(verbose=False)

@@ -252,3 +252,20 @@ def test_a_plan_past_the_deadline_is_cut_by_the_deadline(tmp_path: Path) -> None
     info = data["sections"][0]
     assert info["state"] == "cut-deadline" and info["status"].startswith("cut by the deadline ("), info
     assert data["remaining"] == ["info"]
+
+
+def test_the_async_io_probe_names_a_missing_distutils(tmp_path: Path) -> None:
+    """Python 3.12 has no distutils, and DeepSpeed's libaio check imports it: the probe says so,
+    not "libaio missing".  3.12's state is made here with a ``distutils`` that fails to import
+    (first on the path, setuptools' own copy switched off)."""
+    from bench_gpu_pairs import AIO_PROBE, aio_probe_reason
+
+    shadow = tmp_path / "no-distutils" / "distutils"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'distutils'\")\n")
+    env = dict(os.environ, SETUPTOOLS_USE_DISTUTILS="stdlib")
+    env["PYTHONPATH"] = os.pathsep.join(x for x in [str(shadow.parent), env.get("PYTHONPATH", "")] if x)
+    got = run_group([sys.executable, "-c", AIO_PROBE], 120, env=env, tag="SUITE_AIO_PROBE", grace=5)
+    why = aio_probe_reason(got.text)
+    assert why is not None and why.startswith("import distutils failed"), got.text[-2000:]
+    assert "libaio missing" not in why
