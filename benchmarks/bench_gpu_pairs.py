@@ -34,15 +34,16 @@ import argparse
 import json
 import os
 import resource
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _procs import run_group
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIRS: tuple[tuple[str, str], ...] = (
@@ -53,8 +54,16 @@ PAIRS: tuple[tuple[str, str], ...] = (
 )
 NVME_PAIR = ("nvmeswap", "ds-nvme")
 GPU_MODEL = {"layers": 12, "d_model": 1024, "heads": 16, "seq_len": 512, "micro_batch": 8}
+NVME_MODEL = {"layers": 6, "d_model": 768, "heads": 12, "seq_len": 256, "micro_batch": 4}
+"""The nvme section's model (about 43 M parameters): both runs finish in the suite's budget."""
 TINY_MODEL = {"layers": 2, "d_model": 64, "heads": 2, "seq_len": 32, "micro_batch": 2}
+WORLD_SIZE_1 = {
+    "loco": "world size 1: loco has nothing to send and takes its exact path (no quantization), so the "
+    "pair shows nothing; its kernels are checked and timed in the gpu-tests and loco-kernels sections"
+}
+"""Pairs given no run slot by default, with the reason (these runs are one process each)."""
 RESULT_TAG = "BENCH_GPU_PAIRS_RESULT "
+DONE_TAG = "BENCH_GPU_PAIRS_DONE"
 
 
 # ------------------------------------------------------------------------------------ one run
@@ -140,71 +149,63 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ the schedule
-def remove_new_locks(since: float) -> list[str]:
-    """Remove the JIT build locks made since ``since`` under TORCH_EXTENSIONS_DIR: a build killed
-    midway leaves its ``lock`` file behind, and every later load of that extension waits on it."""
-    folder = os.environ.get("TORCH_EXTENSIONS_DIR")
-    removed = []
-    for lock in Path(folder).rglob("lock") if folder and Path(folder).is_dir() else []:
-        try:
-            if lock.stat().st_mtime >= since - 1:
-                lock.unlink()
-                removed.append(str(lock))
-        except OSError:
-            pass
-    return removed
+AIO_PROBE = r"""
+import json, os
+r = {"ok": False}
+try:
+    import torch
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import distutils.ccompiler  # noqa: F401  (DeepSpeed's has_function compiles its test with it)
+    except Exception as e:
+        r["reason"] = (f"import distutils failed ({type(e).__name__}: {e}; Python 3.12 has no distutils: "
+                       "install setuptools)")
+        raise
+    import ctypes.util
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    ok = AsyncIOBuilder().is_compatible(verbose=False)
+    if ok:
+        r["ok"] = True
+    elif ctypes.util.find_library("aio") is None:
+        r["reason"] = "libaio missing (no libaio.so: apt install libaio-dev)"
+    else:
+        r["reason"] = ("DeepSpeed's compile-and-link test of io_submit failed though libaio.so is there "
+                       "(libaio.h missing? apt install libaio-dev; or set CFLAGS/LDFLAGS)")
+except Exception as e:
+    r["reason"] = r.get("reason") or f"{type(e).__name__}: {e}"[:300]
+print("SUITE_AIO_PROBE " + json.dumps(r), flush=True)
+"""
+"""Whether DeepSpeed's async_io op (its NVMe offload) can be built here and, when not, the real
+reason: distutils missing, libaio missing, the compile test failing, or DeepSpeed's error."""
 
 
-def kill_group(proc: subprocess.Popen[Any], since: float) -> None:
-    """Stop ``proc``'s process group (TERM, then KILL after 10 s) and remove the JIT build locks
-    made since ``since``."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=10)
-            break
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            continue
-    remove_new_locks(since)
-
-
-def run_group(
-    cmd: list[str], timeout: float, env: dict[str, str] | None = None, log: Path | None = None
-) -> tuple[int | None, str]:
-    """Run ``cmd`` in its own process group for at most ``timeout`` seconds: (exit status, output),
-    the status None when it was cut, then the whole group (compilers included) is killed and the
-    build locks it made are removed.  Output goes to ``log`` when given (and is read back)."""
-    t0 = time.time()
-    with open(log, "w+") if log else tempfile.TemporaryFile("w+") as f:
-        proc = subprocess.Popen(
-            cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True
-        )
-        try:
-            rc: int | None = proc.wait(timeout=max(timeout, 0.1))
-        except subprocess.TimeoutExpired:
-            rc = None
-            kill_group(proc, t0)
-        f.seek(0)
-        return rc, f.read()
+def aio_probe_reason(text: str) -> str | None:
+    """The reason from :data:`AIO_PROBE`'s output, None when the op can be built."""
+    line = next((x for x in text.splitlines() if x.startswith("SUITE_AIO_PROBE ")), None)
+    if line is None:
+        return "the async_io probe printed no result: " + text.strip()[-300:]
+    r = json.loads(line[len("SUITE_AIO_PROBE ") :])
+    return None if r.get("ok") else str(r.get("reason"))
 
 
 def _libaio_reason() -> str | None:
-    """Why DeepSpeed's NVMe offload cannot run here (its async_io op needs libaio), else None."""
-    code = (
-        "import os; os.environ.setdefault('DS_ACCELERATOR', 'cpu') if not __import__('torch').cuda.is_available()"
-        " else None\nfrom deepspeed.ops.op_builder import AsyncIOBuilder\n"
-        "print('OK' if AsyncIOBuilder().is_compatible(verbose=False) else 'NO')"
-    )
-    try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    except subprocess.TimeoutExpired:
+    """Why DeepSpeed's NVMe offload cannot run here (its async_io op cannot be built), else None."""
+    out = run_group([sys.executable, "-c", AIO_PROBE], 120, tag="SUITE_AIO_PROBE", grace=5)
+    if out.cut:
         return "could not check DeepSpeed's async_io op (the check took over 120 s)"
-    if out.stdout.strip().endswith("OK"):
-        return None
-    return (
-        "DeepSpeed's async_io op is not compatible here (libaio missing: apt install libaio-dev); "
-        "DeepSpeed's NVMe offload cannot run, nvmeswap is measured alone"
-    )
+    why = aio_probe_reason(out.text)
+    return None if why is None else f"DeepSpeed's NVMe offload cannot run ({why}): nvmeswap is measured alone"
+
+
+def _pairs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    names = [x for x in args.pairs.split(",") if x]
+    unknown = set(names) - {p for p, _ in PAIRS}
+    if unknown:
+        raise SystemExit(
+            f"bench_gpu_pairs: unknown --pairs {sorted(unknown)}; known: {[p for p, _ in PAIRS]}"
+        )
+    return [pair for pair in PAIRS if pair[0] in names]
 
 
 def _jobs(args: argparse.Namespace) -> list[tuple[int, str]]:
@@ -213,7 +214,7 @@ def _jobs(args: argparse.Namespace) -> list[tuple[int, str]]:
         return [(3, r) for r in NVME_PAIR]
     jobs: list[tuple[int, str]] = []
     for s in stages:
-        for pair in PAIRS:
+        for pair in _pairs(args):
             jobs += [(s, r) for r in pair if (s, r) not in jobs]
     return jobs
 
@@ -225,7 +226,7 @@ def summarize(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
         if r.get("status") == "ok":
             by.setdefault((r["stage"], r["run"]), []).append(r)
     rows = []
-    pairs = [NVME_PAIR] if args.nvme else list(PAIRS)
+    pairs = [NVME_PAIR] if args.nvme else _pairs(args)
     for s in sorted({st for st, _ in _jobs(args)}):
         for plugin, base in pairs:
             p, b = by.get((s, plugin), []), by.get((s, base), [])
@@ -267,14 +268,12 @@ def markdown(data: dict[str, Any]) -> str:
             f"| {f(row, 'plugin_peak_bytes', 2**30, '{:.2f}')} | {f(row, 'equivalent_peak_bytes', 2**30, '{:.2f}')} "
             f"| {row['rounds'][0]}/{row['rounds'][1]} |"
         )
+    for plugin, why in data.get("skipped_pairs", {}).items():
+        lines.append(f"| all | {plugin} | - | skipped: {why} | | | | | |")
     if any(r["plugin"] == "loco" for r in data["summary"]["pairs"]):
         data.setdefault("notes", [])
-        note = (
-            "world size 1: loco has nothing to send and takes its exact path (no quantization); "
-            "its kernels are timed in the loco-kernels section"
-        )
-        if note not in data["notes"]:
-            data["notes"].append(note)
+        if WORLD_SIZE_1["loco"] not in data["notes"]:
+            data["notes"].append(WORLD_SIZE_1["loco"])
     for note in data.get("notes", []):
         lines += ["", f"- {note}"]
     failed = [r for r in data["results"] if r.get("status") != "ok"]
@@ -285,7 +284,7 @@ def markdown(data: dict[str, Any]) -> str:
 
 def parent(args: argparse.Namespace) -> dict[str, Any]:
     deadline = args.deadline_at or (time.time() + args.deadline_s)
-    model = TINY_MODEL if args.tiny else GPU_MODEL
+    model = TINY_MODEL if args.tiny else NVME_MODEL if args.nvme else GPU_MODEL
     data: dict[str, Any] = {
         "model": model,
         "rounds": args.rounds,
@@ -296,6 +295,9 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
         "notes": [],
         "summary": {"pairs": []},
     }
+    if not args.nvme:
+        chosen = {p for p, _ in _pairs(args)}
+        data["skipped_pairs"] = {p: why for p, why in WORLD_SIZE_1.items() if p not in chosen}
     jobs = _jobs(args)
     skip: dict[str, str] = {}
     if args.nvme:
@@ -348,16 +350,25 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
             env = dict(os.environ, TMPDIR=str(scratch), MASTER_PORT=str(_free_port()))
             t0 = time.time()
             rec: dict[str, Any] = {"stage": stage, "run": name, "round": rnd}
-            rc, text = run_group(cmd, min(args.run_timeout, left), env)
-            line = next((x for x in text.splitlines() if x.startswith(RESULT_TAG)), None)
-            if rc == 0 and line:
+            by_deadline = left < args.run_timeout
+            got = run_group(
+                cmd, min(args.run_timeout, left), env, tag=RESULT_TAG.strip(), grace=args.exit_grace
+            )
+            line = next((x for x in got.text.splitlines() if x.startswith(RESULT_TAG)), None)
+            if got.ok and line:
                 rec.update(json.loads(line[len(RESULT_TAG) :]), status="ok")
+                if got.hung_after_result is not None:
+                    rec["note"] = f"hung at exit after its result: killed after {got.hung_after_result} s"
                 data.setdefault("n_params", rec["n_params"])
                 data.setdefault("device", rec["device"])
-            elif rc is None:
-                rec.update(status=f"timed out after {time.time() - t0:.0f} s", error=text[-2000:])
+            elif got.cut and by_deadline:
+                rec.update(status=f"cut by the deadline after {got.seconds:.0f} s", error=got.text[-2000:])
+            elif got.cut:
+                rec.update(
+                    status=f"timed out after {got.seconds:.0f} s (--run-timeout)", error=got.text[-2000:]
+                )
             else:
-                rec.update(status=f"failed (exit {rc})", error=text[-2000:])
+                rec.update(status=f"failed (exit {got.rc})", error=got.text[-2000:])
             rec["wall_s"] = round(time.time() - t0, 1)
             longest = max(longest, rec["wall_s"])
             data["results"].append(rec)
@@ -374,6 +385,11 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", default="2,3,1", help="ZeRO stages, in the order measured")
+    p.add_argument(
+        "--pairs",
+        default=",".join(p for p, _ in PAIRS if p not in WORLD_SIZE_1),
+        help="plugins to compare, comma-separated (default: all but loco, which shows nothing at world size 1)",
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=10, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=3)
@@ -387,6 +403,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline-s", type=float, default=600.0, help="stop starting runs after this")
     p.add_argument("--deadline-at", type=float, default=None, help="the same as a Unix time")
     p.add_argument("--run-timeout", type=float, default=240.0, help="longest one run may take")
+    p.add_argument(
+        "--exit-grace",
+        type=float,
+        default=10.0,
+        help="seconds a run may take to exit after printing its result",
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "gpu_pairs.json"))
     p.add_argument("--child", default=None, help="internal: run this one run in this process")
     p.add_argument("--stage", type=int, default=2, help="internal (--child)")
@@ -398,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     data = parent(args)
     print(markdown(data))
+    print(DONE_TAG, flush=True)
     return 0
 
 

@@ -1,0 +1,271 @@
+"""The GPU suite in one slot, run for real on CPU (issue 34): at most 4 files at the top of --out,
+the time plan honoured under a 60 s deadline with one honest state per section, SIGTERM from
+outside still writing the results and leaving no process behind, CUDA_HOME found through an
+``nvcc`` wrapper script, and a child that prints its result then hangs cut within seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import suite_plan  # noqa: E402
+from _procs import run_group  # noqa: E402
+
+TOP_FILES = {"results.json", "results.md", "logs.tgz", "console.log"}
+WORDS = {
+    "ok": "ok",
+    "failed": "failed (",
+    "cut-limit": "cut by its own limit",
+    "cut-deadline": "cut by the deadline",
+    "skipped": "skipped (",
+}
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHON=sys.executable, **extra)
+    # kernels already built in this environment are reused (its TORCH_EXTENSIONS_DIR), else built
+    # into a fresh folder (and cut by the plan: that is what the test checks)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    return env
+
+
+def _check_results(out: Path) -> dict:
+    top = {p.name for p in out.iterdir()}
+    assert top <= TOP_FILES and len(top) <= 4, f"files at the top of --out: {sorted(top)}"
+    data = json.loads((out / "results.json").read_text())
+    names = [s["name"] for s in data["sections"]]
+    assert names == list(suite_plan.SECTIONS), names
+    for s in data["sections"]:
+        assert s["state"] in suite_plan.STATES, s
+        assert s["status"].startswith(WORDS[s["state"]]), s
+    done = {s["name"] for s in data["sections"] if s["state"] in ("ok", "skipped")}
+    assert data["remaining"] == [n for n in suite_plan.SECTIONS if n not in done]
+    md = (out / "results.md").read_text()
+    for s in data["sections"]:
+        assert f"| {s['name']} | {s['status']} |" in md
+    return data
+
+
+def test_cpu_smoke_keeps_the_plan_under_a_60s_deadline(tmp_path: Path) -> None:
+    out, work = tmp_path / "out", tmp_path / "work"
+    cmd = ["bash", str(ROOT / "tools" / "run_suite.sh"), "--cpu-smoke", "--deadline", "60"]
+    cmd += ["--out", str(out), "--work", str(work)]
+    t = time.time()
+    proc = subprocess.run(cmd, env=_env(tmp_path), timeout=180, capture_output=True, text=True, cwd=tmp_path)
+    wall = time.time() - t
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert wall < 60 + 10, f"the suite took {wall:.0f} s under a 60 s deadline"
+    data = _check_results(out)
+    assert data["status"] == "done" and data["cpu_smoke"] and data["budget_s"] == 60
+    # the plan, printed first, spreads the slot less the reserve over the sections
+    console = (out / "console.log").read_text()
+    assert console.index("| pairs |") < console.index("info: start"), console[:2000]
+    assert sum(data["plan"].values()) <= 60 - suite_plan.RESERVE_S + 0.5
+    sections = {s["name"]: s for s in data["sections"]}
+    for name, s in sections.items():
+        if (
+            s["state"] == "ok"
+        ):  # an ok section finished inside its planned budget (plus what the earlier ones saved)
+            assert (
+                s["seconds"]
+                <= sum(data["plan"][n] for n in suite_plan.SECTIONS[: suite_plan.SECTIONS.index(name) + 1])
+                + 2
+            )
+        if name in ("pairs", "nvme") and s["state"] == "ok":
+            d = s["data"]
+            assert d["rounds_done"] == d["rounds"] and all(
+                r["status"] in ("ok", "skipped") for r in d["results"]
+            )
+    assert sections["ds-aio-build"]["status"] == "skipped (CPU smoke check)"
+    assert sections["multirank"]["status"].startswith("skipped (CPU smoke check: two ranks on one GPU need")
+    # 60 s on 2 cores cannot hold the kernel builds and every tiny run: something is cut, and says so
+    assert {s["state"] for s in data["sections"]} & {"cut-limit", "cut-deadline"}, data["sections"]
+    # every other file is in logs.tgz, the install log included
+    with tarfile.open(out / "logs.tgz") as t:
+        members = set(t.getnames())
+    assert {"logs/info.log", "logs/install.log", "logs/aio-probe.log"} <= members, members
+    info = sections["info"].get("data") or {}
+    if info:  # the probe reports DeepSpeed's real reason, or that it can be built
+        assert info["async_io"] == "can be built" or "cannot be built: " in info["async_io"]
+
+
+def _procs_with(mark: str) -> list[int]:
+    found = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if mark.encode() in (p / "environ").read_bytes():
+                    found.append(int(p.name))
+            except OSError:
+                pass
+    return found
+
+
+def test_sigterm_from_outside_writes_results_and_kills_every_group(tmp_path: Path) -> None:
+    out, work = tmp_path / "out", tmp_path / "work"
+    mark = f"ZH_SUITE_TEST_{uuid.uuid4().hex}"
+    cmd = ["bash", str(ROOT / "tools" / "run_suite.sh"), "--cpu-smoke", "--deadline", "300"]
+    cmd += ["--out", str(out), "--work", str(work)]
+    env = _env(tmp_path, ZH_SUITE_TEST_MARK=mark)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    try:
+        t = time.time()
+        while time.time() - t < 120:  # the info section has run: a child group is running now
+            console = (out / "console.log").read_text() if (out / "console.log").is_file() else ""
+            if "build: start" in console or "gpu-tests: start" in console:
+                break
+            time.sleep(0.3)
+        else:
+            pytest.fail("the suite never reached its build section")
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)  # run_suite.sh exec'd the suite: this is its process
+        t = time.time()
+        rc = proc.wait(timeout=30)
+        stopped_in = time.time() - t
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 143 and stopped_in < 15, (rc, stopped_in)
+    data = _check_results(out)
+    assert data["status"].startswith("stopped by SIGTERM from outside"), data["status"]
+    cut = [s for s in data["sections"] if s["status"] == "cut by the deadline (SIGTERM from outside)"]
+    assert len(cut) == 1 and cut[0]["name"] in ("build", "gpu-tests"), data["sections"]
+    later = suite_plan.SECTIONS[suite_plan.SECTIONS.index(cut[0]["name"]) + 1 :]
+    assert all(
+        s["status"] == "cut by the deadline (not reached)" for s in data["sections"] if s["name"] in later
+    )
+    assert cut[0]["name"] in data["remaining"]
+    time.sleep(0.5)
+    assert _procs_with(mark) == [], "processes of the suite outlived its SIGTERM"
+
+
+def test_cuda_home_found_through_an_nvcc_wrapper_script(tmp_path: Path) -> None:
+    """/usr/local/bin/nvcc-style wrapper (a script exec-ing the real nvcc, reached through a
+    symbolic link): CUDA_HOME is the real tree, not the wrapper's folder; the bundle's ninja
+    (bin/ next to a PYTHONPATH entry) goes on PATH."""
+    cuda = tmp_path / "opt" / "cuda-99.9"
+    (cuda / "bin").mkdir(parents=True)
+    (cuda / "include").mkdir()
+    (cuda / "include" / "cuda_runtime.h").write_text("/* fake */\n")
+    shutil.copy("/bin/true", cuda / "bin" / "nvcc")  # a binary, as the real nvcc is
+    alias = tmp_path / "alias"
+    alias.mkdir()
+    (alias / "nvcc").symlink_to(cuda / "bin" / "nvcc")
+    wrapper_bin = tmp_path / "local" / "bin"
+    wrapper_bin.mkdir(parents=True)
+    (wrapper_bin / "nvcc").write_text(f'#!/bin/sh\nexec {alias}/nvcc "$@"\n')
+    (wrapper_bin / "nvcc").chmod(0o755)
+    site = tmp_path / "work" / "site"
+    (site / "bin").mkdir(parents=True)
+    shutil.copy("/bin/true", site / "bin" / "ninja")
+
+    env = _env(tmp_path, PATH=str(wrapper_bin))  # no ninja on PATH; nvcc is the wrapper
+    env.pop("CUDA_HOME", None)
+    env.pop("CUDA_PATH", None)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in [env.get("PYTHONPATH", ""), str(site)] if x)
+    out = tmp_path / "out"
+    skip = ",".join(n for n in suite_plan.SECTIONS if n != "info")
+    cmd = [sys.executable, str(ROOT / "tools" / "gpu_suite.py"), "--cpu-smoke", "--deadline-s", "90"]
+    cmd += ["--out", str(out), "--work", str(tmp_path / "w"), "--skip", skip]
+    proc = subprocess.run(cmd, env=env, timeout=150, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = _check_results(out)
+    assert data["env"]["CUDA_HOME"] == str(cuda), data["env"]
+    assert str(wrapper_bin / "nvcc") in data["env"]["cuda_home_from"]
+    assert data["env"]["ninja"].startswith(str(site / "bin"))
+    info = next(s for s in data["sections"] if s["name"] == "info")
+    assert info["state"] == "ok", info
+    assert info["data"]["CUDA_HOME"] == str(cuda)  # what the children (the kernel builds) see
+    assert [s["state"] for s in data["sections"][1:]] == ["skipped"] * (len(suite_plan.SECTIONS) - 1)
+
+
+def test_a_child_printing_its_result_then_hanging_is_cut_quickly(tmp_path: Path) -> None:
+    """The result line is kept, the child (and the process it started) killed ``grace`` seconds
+    after it, not at the section's limit; a child that prints nothing runs to its limit."""
+    pidfile = tmp_path / "grandchild"
+    code = (
+        "import json, subprocess, sys, time\n"
+        "p = subprocess.Popen(['sleep', '300'])\n"
+        f"open({str(pidfile)!r}, 'w').write(str(p.pid))\n"
+        "print('BENCH_GPU_PAIRS_RESULT ' + json.dumps({'step_ms': 1.5}), flush=True)\n"
+        "time.sleep(300)  # a hang at exit: a thread that never ends, a comm that never closes\n"
+    )
+    t = time.time()
+    got = run_group([sys.executable, "-c", code], 120, tag="BENCH_GPU_PAIRS_RESULT", grace=2)
+    assert time.time() - t < 15, f"cut after {time.time() - t:.0f} s, not 2 s after the result"
+    assert got.ok and not got.cut and got.hung_after_result is not None
+    assert 'BENCH_GPU_PAIRS_RESULT {"step_ms": 1.5}' in got.text
+    grandchild = int(pidfile.read_text())
+    time.sleep(0.3)
+    state = Path(f"/proc/{grandchild}/stat")
+    assert not state.exists() or state.read_text().split()[2] == "Z", "the child's own child survived"
+
+    t = time.time()
+    silent = run_group(
+        [sys.executable, "-c", "import time; time.sleep(300)"], 3, tag="BENCH_GPU_PAIRS_RESULT"
+    )
+    assert silent.cut and not silent.ok and 2.5 < time.time() - t < 12
+
+
+def test_multirank_probe_runs_two_ranks_on_cpu(tmp_path: Path) -> None:
+    """The multirank section's probe, on CPU tensors (on a GPU it takes CUDA ones): two processes
+    over gloo, each operation checked against its value, loco's point-to-point exchange included."""
+    out = tmp_path / "multirank.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_multirank.py"), "--cpu", "--out", str(out)]
+    proc = subprocess.run(cmd, timeout=150, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [r["rank"] for r in data["ranks"]] == [0, 1]
+    for r in data["ranks"]:
+        assert r["device"] == "cpu"
+        for op in ("all_reduce", "reduce_scatter_tensor", "all_to_all_single", "loco_p2p_all_to_all"):
+            assert r["ops"][op].startswith("ok ("), (op, r["ops"][op])
+    assert "| loco_p2p_all_gather_uint8 | ok" in proc.stdout
+
+
+def test_a_plan_past_the_deadline_is_cut_by_the_deadline(tmp_path: Path) -> None:
+    """--budget scales the plan, the deadline only stops: info planned for 20 s of a 200 s budget
+    under an 11 s deadline (3 s left after the reserve) is cut by the deadline (not by its own limit, and not ok)."""
+    out = tmp_path / "out"
+    skip = ",".join(n for n in suite_plan.SECTIONS if n != "info")
+    cmd = [sys.executable, str(ROOT / "tools" / "gpu_suite.py"), "--cpu-smoke", "--deadline-s", "11"]
+    cmd += ["--budget", "200", "--out", str(out), "--work", str(tmp_path / "w"), "--skip", skip]
+    t = time.time()
+    proc = subprocess.run(cmd, env=_env(tmp_path), timeout=120, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert time.time() - t < 11 + 5
+    data = _check_results(out)
+    assert data["plan"]["info"] > 11 and data["budget_s"] == 200
+    info = data["sections"][0]
+    assert info["state"] == "cut-deadline" and info["status"].startswith("cut by the deadline ("), info
+    assert data["remaining"] == ["info"]
+
+
+def test_the_async_io_probe_names_a_missing_distutils(tmp_path: Path) -> None:
+    """Python 3.12 has no distutils, and DeepSpeed's libaio check imports it: the probe says so,
+    not "libaio missing".  3.12's state is made here with a ``distutils`` that fails to import
+    (first on the path, setuptools' own copy switched off)."""
+    from bench_gpu_pairs import AIO_PROBE, aio_probe_reason
+
+    shadow = tmp_path / "no-distutils" / "distutils"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'distutils'\")\n")
+    env = dict(os.environ, SETUPTOOLS_USE_DISTUTILS="stdlib")
+    env["PYTHONPATH"] = os.pathsep.join(x for x in [str(shadow.parent), env.get("PYTHONPATH", "")] if x)
+    got = run_group([sys.executable, "-c", AIO_PROBE], 120, env=env, tag="SUITE_AIO_PROBE", grace=5)
+    why = aio_probe_reason(got.text)
+    assert why is not None and why.startswith("import distutils failed"), got.text[-2000:]
+    assert "libaio missing" not in why
