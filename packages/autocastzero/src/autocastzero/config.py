@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from zerohooks import ConfigError, PluginConfig
-from zerohooks.strict import StrList
+from zerohooks.strict import MAX_STEPS, StrList
 
 __all__ = [
     "DEFAULT_SAFE_MODULES",
@@ -153,13 +153,17 @@ class AutocastZeroConfig(PluginConfig):
     initial_scale_power: int = pydantic.Field(default=16, ge=0, le=MAX_SCALE_POWER)
     """float16 dynamic scaling: the first loss scale is ``2**initial_scale_power`` (0 to 32)."""
 
-    loss_scale_window: int = pydantic.Field(default=1000, ge=1)
+    loss_scale_window: int = pydantic.Field(default=1000, ge=1, le=MAX_STEPS)
     """float16 dynamic scaling: the scale doubles at each step preceded by a multiple of this many
-    steps without overflow (DeepSpeed's ``loss_scale_window`` rule)."""
+    steps without overflow (DeepSpeed's ``loss_scale_window`` rule).  1 to 2**31 - 1
+    (``zerohooks.strict.MAX_STEPS``): a window longer than any run never grows the scale, which a
+    static ``loss_scale`` says plainly."""
 
-    hysteresis: int = pydantic.Field(default=2, ge=1)
+    hysteresis: int = pydantic.Field(default=2, ge=1, le=MAX_STEPS)
     """float16 dynamic scaling: overflowing steps tolerated before the scale halves (every one is
-    skipped); 1 halves at every overflow.  Refilled when the scale grows."""
+    skipped); 1 halves at every overflow.  Refilled when the scale grows.  1 to 2**31 - 1
+    (``zerohooks.strict.MAX_STEPS``): more would skip every step of a run without ever backing
+    off."""
 
     min_loss_scale: float = 1.0
     """float16 dynamic scaling: the scale never goes below this (finite, from 2**-24 to the first
