@@ -77,6 +77,9 @@ def test_bad_section_is_refused(section: dict[str, Any], needle: str) -> None:
     ("extra", "needle"),
     [
         ({"bf16": {"enabled": True}}, 'remove the "bf16" section'),
+        # issue #33: a bare boolean (which DeepSpeed fails on with a TypeError) is the same conflict
+        ({"bf16": True}, r'"bf16" is enabled \(a bare true\): .*remove the "bf16" section'),
+        ({"bfloat16": True}, r'"bfloat16" is enabled \(a bare true\): .*remove the "bfloat16" section'),
         ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, 'remove the "torch_autocast" section'),
         ({"communication_data_type": "bf16"}, 'remove "communication_data_type"'),
         ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types.grad_accum_dtype"),

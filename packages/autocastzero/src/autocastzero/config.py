@@ -253,7 +253,9 @@ class AutocastZeroConfig(PluginConfig):
 
 
 def _enabled(section: Any) -> bool:
-    return isinstance(section, dict) and bool(section.get("enabled", False))
+    """A DeepSpeed section switched on: ``{"enabled": true}``, or the bare ``true`` that DeepSpeed
+    itself refuses (named here as the conflict it also is)."""
+    return section is True or (isinstance(section, dict) and bool(section.get("enabled", False)))
 
 
 def check_deepspeed_config(cfg: AutocastZeroConfig, ds: dict[str, Any]) -> None:
@@ -262,9 +264,10 @@ def check_deepspeed_config(cfg: AutocastZeroConfig, ds: dict[str, Any]) -> None:
     for key in ("fp16", "bf16", "bfloat16"):
         if _enabled(ds.get(key)):
             problems.append(
-                f'"{key}" is enabled: autocastzero keeps fp32 parameters and runs the forward under '
-                f'torch.autocast instead; remove the "{key}" section (or set "enabled": false) and choose '
-                'the autocast dtype with "autocastzero": {"dtype": ...}'
+                f'"{key}" is enabled{" (a bare true)" if ds.get(key) is True else ""}: autocastzero keeps '
+                "fp32 parameters and runs the forward under torch.autocast instead; remove the "
+                f'"{key}" section (or set "enabled": false) and choose the autocast dtype with '
+                '"autocastzero": {"dtype": ...}'
             )
     if _enabled(ds.get("torch_autocast")):
         problems.append(
