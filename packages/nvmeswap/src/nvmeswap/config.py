@@ -114,6 +114,14 @@ def rewrite_offload(ds_config: dict[str, Any], cfg: NvmeSwapConfig) -> str:
             f"zero_optimization.offload_optimizer.ratio = {ratio!r}{partial} is not supported with nvmeswap: "
             "the accepted value is the JSON number 1.0 (the default): remove the key"
         )
+    optimizer = ds_config.get("optimizer")
+    params = optimizer.get("params") if isinstance(optimizer, dict) else None
+    if isinstance(params, dict) and params.get("amsgrad"):
+        raise ConfigError(
+            f"optimizer.params.amsgrad is {params['amsgrad']!r} with nvmeswap: amsgrad keeps a third fp32 "
+            "state tensor per element (max_exp_avg_sq) and nvmeswap's swap files hold two (the Adam "
+            "moments, or one momentum buffer); set amsgrad to false or remove it"
+        )
     new = {k: v for k, v in off.items() if k not in ("pipeline_read", "pipeline_write", "buffer_count")}
     new["device"] = "cpu"
     zero["offload_optimizer"] = new
