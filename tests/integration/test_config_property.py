@@ -145,8 +145,11 @@ TABLES: dict[str, dict[str, dict[str, list[Any]]]] = {
             V: [0, 8, 16],
             X: [-1, 64, 65, 1.5, NAN, INF, "x", None, 16.0, "16", True, 10**9, 2**64],
         },
-        "loss_scale_window": {V: [1, 2, 1000], X: [0, -5, 2.5, NAN, None, "w", "10", 10.0, True]},
-        "hysteresis": {V: [1, 2], X: [0, -1, 1.5, None, "2", True, 2.0]},
+        "loss_scale_window": {
+            V: [1, 2, 1000, 2**31 - 1],
+            X: [0, -5, 2.5, NAN, None, "w", "10", 10.0, True, 2**31, 10**30],
+        },
+        "hysteresis": {V: [1, 2, 2**31 - 1], X: [0, -1, 1.5, None, "2", True, 2.0, 2**31]},
         "min_loss_scale": {
             V: [1.0, 0.5, 1, 2**-10],
             X: [0, 0.0, -1.0, NAN, -INF, INF, None, "min", "1", True],
@@ -173,15 +176,18 @@ TABLES: dict[str, dict[str, dict[str, list[Any]]]] = {
             V: [0, 0.0, 0.5, 0.8, 1, 1.0],
             X: [-0.1, 1.5, NAN, INF, -INF, "high", None, "0.5", True, False],
         },
-        "reset_T": {V: [0, 1, 1024], X: [-1, 1.5, NAN, INF, "x", None, "3", 1.0, True]},
+        "reset_T": {
+            V: [0, 1, 1024, 2**31 - 1],
+            X: [-1, 1.5, NAN, INF, "x", None, "3", 1.0, True, 2**31, 10**30],
+        },
         "group_size": {V: [64, 128, 256, 512, 1024], X: [32, 100, 2048, "128", None, True, 128.0, 2**64]},
         "error_dtype": {V: ["int8", "bf16", "fp32"], X: ["int4", "fp16", "INT8", 8, None]},
-        "exact_below": {V: [None, 0, 4096], X: [-1, 1.5, "x", NAN, INF, "10", 10.0, False]},
+        "exact_below": {V: [None, 0, 4096, 2**48], X: [-1, 1.5, "x", NAN, INF, "10", 10.0, False, 2**48 + 1]},
         "error_feedback": BOOL,
         "hierarchy": {V: ["detect", "flat", "auto"], R: ["two_level"], X: ["Flat", "tree", 2, None]},
         "parameter_gather": {V: ["two_level", "deepspeed"], X: ["Two_Level", "ring", "auto", 2, None]},
         "gloo_exchange": {V: ["point_to_point", "collective"], X: ["p2p", "Collective", "auto", 1, None]},
-        "node_size": {V: [None, 1, 2, 8], X: [0, -1, 1.5, "x", "2", 2.0, True]},
+        "node_size": {V: [None, 1, 2, 8, 2**16], X: [0, -1, 1.5, "x", "2", 2.0, True, 2**16 + 1]},
         "on_skip": {V: ["restore", "reset"], X: ["skip", None, 1, "Restore"]},
         "kernels": {V: ["compiled", "reference", "auto"], X: ["cuda", "Reference", None, 1]},
     },
@@ -197,7 +203,7 @@ TABLES: dict[str, dict[str, dict[str, list[Any]]]] = {
             V: [4096, 8192, 1 << 20, 1 << 28],
             X: [4095, 5000, 0, -4096, NAN, INF, "x", None, 4096.0, "4096", True, 2**40, (1 << 28) + 4096],
         },
-        "min_swap_numel": {V: [0, 100, 10**9], X: [-1, 0.5, None, "0", False, 0.0]},
+        "min_swap_numel": {V: [0, 100, 10**9, 2**48], X: [-1, 0.5, None, "0", False, 0.0, 2**48 + 1]},
         "io_engine": {V: ["detect", "python", "auto"], R: ["native"], X: ["libaio", "Python", None, 1]},
         "fused_adam": {
             V: [True, False, "when_supported", "auto"],
@@ -809,8 +815,44 @@ LAX_CLASSES: dict[str, Any] = {
     "huge value": lambda f, t: [10**30] if t == "integer" and f.get("huge") else [],
 }
 """Each class of lax value: field's table, field's JSON type -> values of that class to try."""
-BOUNDED = {("nvmeswap", "block_size"), ("nvmeswap", "io_threads"), ("nvmeswap", "buffer_count")}
-"""Fields whose upper bound keeps a value from exhausting memory, threads or disk."""
+BOUNDED = {
+    ("nvmeswap", "block_size"),
+    ("nvmeswap", "io_threads"),
+    ("nvmeswap", "buffer_count"),
+    ("nvmeswap", "min_swap_numel"),
+    ("loco", "reset_T"),
+    ("loco", "exact_below"),
+    ("loco", "node_size"),
+    ("autocastzero", "initial_scale_power"),
+    ("autocastzero", "loss_scale_window"),
+    ("autocastzero", "hysteresis"),
+}
+"""Fields with an upper bound (every integer field of every plugin: memory, threads or disk for
+nvmeswap's, step counts at most 2**31 - 1, element counts at most 2**48, ranks per node at most
+2**16, scale powers at most 32); :func:`test_every_integer_field_is_bounded` keeps it whole."""
+
+
+def test_every_integer_field_is_bounded() -> None:
+    """Every integer field of every plugin (introspected) has an upper bound in its JSON schema and
+    is in :data:`BOUNDED`, so the huge value of :data:`LAX_CLASSES` is tried on it (issue #33: a
+    ``loco.reset_T`` of 10**30 was accepted)."""
+    from zerohooks.config import available_plugins
+
+    plugins = available_plugins()
+    unbounded, unlisted = [], []
+    for name in PLUGINS:
+        model = plugins[name].Config
+        schema = model.model_json_schema()["properties"]
+        for field in model.model_fields:
+            if _json_kind(model, field) != "integer":
+                continue
+            parts = schema[field].get("anyOf", [schema[field]])
+            if not any("maximum" in p or "enum" in p or "const" in p for p in parts):
+                unbounded.append(f"{name}.{field}")
+            if (name, field) not in BOUNDED and not any("enum" in p for p in parts):
+                unlisted.append(f"{name}.{field}")
+    assert not unbounded, f"integer fields without an upper bound: {unbounded}"
+    assert not unlisted, f"bounded integer fields missing from BOUNDED: {unlisted}"
 
 
 def _json_kind(model: Any, field: str) -> str | None:

@@ -59,6 +59,9 @@ def test_defaults_and_aliases() -> None:
             for bad in (float("inf"), 0.0, 1e300)
         ),
         ({"dtype": "float16", "initial_scale_power": 33}, "autocastzero.initial_scale_power: .*32"),
+        # step counts: at most 2**31 - 1 (issue #33: no integer field without an upper bound)
+        ({"dtype": "float16", "loss_scale_window": 2**31}, "autocastzero.loss_scale_window: .*<= 2147483647"),
+        ({"dtype": "float16", "hysteresis": 10**30}, "autocastzero.hysteresis: .*<= 2147483647"),
         ({"dtype": "float16", "initial_scale_power": 4, "min_loss_scale": 32}, "above the first loss scale"),
         ({"dtype": "float16", "loss_scale": 128, "hysteresis": 3}, "keys hysteresis would be ignored"),
     ],
@@ -74,6 +77,9 @@ def test_bad_section_is_refused(section: dict[str, Any], needle: str) -> None:
     ("extra", "needle"),
     [
         ({"bf16": {"enabled": True}}, 'remove the "bf16" section'),
+        # issue #33: a bare boolean (which DeepSpeed fails on with a TypeError) is the same conflict
+        ({"bf16": True}, r'"bf16" is enabled \(a bare true\): .*remove the "bf16" section'),
+        ({"bfloat16": True}, r'"bfloat16" is enabled \(a bare true\): .*remove the "bfloat16" section'),
         ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, 'remove the "torch_autocast" section'),
         ({"communication_data_type": "bf16"}, 'remove "communication_data_type"'),
         ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types.grad_accum_dtype"),

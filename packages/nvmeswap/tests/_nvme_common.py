@@ -383,3 +383,39 @@ def all_two_rank_scenarios(tmp: str) -> dict[str, Any]:
     ):
         out[name] = fn(tmp)
     return out
+
+
+def scenario_sgd(tmp: str) -> dict[str, Any]:
+    """Issue #33: SGD (momentum) with nvmeswap.  Without ``zero_allow_untested_optimizer`` it is
+    refused by zerohooks.initialize before DeepSpeed builds anything (was DeepSpeed's "untested
+    ZeRO Optimizer" assertion); with it, nvmeswap's unfused step equals DeepSpeed's own CPU
+    offload of the same SGD bit for bit (one state tensor, the momentum buffer, swapped)."""
+    rank = int(os.environ["RANK"])
+    sgd = {"type": "SGD", "params": {"lr": 1e-2, "momentum": 0.9}}
+    out: dict[str, Any] = {}
+    refused = config(f"{tmp}/sgd_refused{rank}", nvmeswap={"io_engine": "python"})
+    refused["optimizer"] = sgd
+    try:
+        _build(refused)
+        out["refusal"] = None
+    except zerohooks.ConfigError as e:
+        out["refusal"] = str(e)
+    out["refused_files"] = swap_files(f"{tmp}/sgd_refused{rank}")
+    ref_cfg = _oracle_config(f"{tmp}/sgd_oracle{rank}")
+    ref_cfg.update(optimizer=sgd, zero_allow_untested_optimizer=True)
+    ref = _build(ref_cfg, plugins=False)
+    out["oracle_losses"] = train(ref, 3)
+    oracle = (params16(ref), masters(ref))
+    cfg = config(f"{tmp}/sgd{rank}", nvmeswap={"io_engine": "python"})
+    cfg.update(optimizer=sgd, zero_allow_untested_optimizer=True)
+    eng = _build(cfg)
+    out["losses"] = train(eng, 3)
+    state = zerohooks.attachment(eng).plugins[0].state  # type: ignore[union-attr]
+    out["swapped"] = len(state.groups)
+    out["keys"] = sorted({k for g in state.groups.values() for k in g.keys})
+    out["equal"] = [
+        all(torch.equal(a, b) for a, b in zip(x, y, strict=True))
+        for x, y in zip(oracle, (params16(eng), masters(eng)), strict=True)
+    ]
+    zerohooks.detach(eng)
+    return out

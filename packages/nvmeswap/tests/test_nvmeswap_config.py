@@ -65,6 +65,12 @@ def test_nvme_offload_becomes_cpu_offload_owned_by_nvmeswap() -> None:
         (lambda c: c.update(nvmeswap={"buffer_count": 17}), r"buffer_count: .*<= 16"),
         (lambda c: c.update(nvmeswap={"io_threads": 33}), r"io_threads: .*<= 32"),
         (lambda c: c.update(nvmeswap={"block_size": 1 << 40}), r"block_size: .*<= 268435456"),
+        (lambda c: c.update(nvmeswap={"min_swap_numel": 2**48 + 1}), r"min_swap_numel: .*<= 281474976710656"),
+        # three state tensors per element do not fit the swap files (was a RuntimeError at the first step)
+        (
+            lambda c: c.update(optimizer={"type": "AdamW", "params": {"amsgrad": True}}),
+            r"optimizer\.params\.amsgrad is True with nvmeswap: .*set amsgrad to false",
+        ),
         (lambda c: c.update(nvmeswap={"io_threads": True}), r"io_threads: .*a JSON integer"),
         (lambda c: c.update(nvmeswap={"keep_master_in_ram": "no"}), r"keep_master_in_ram: .*true or false"),
         (lambda c: c.update(nvmeswap={"folder": ""}), r"folder: .*non-empty JSON string"),

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from zerohooks import ConfigError, PluginConfig
-from zerohooks.strict import StrList
+from zerohooks.strict import MAX_STEPS, StrList
 
 __all__ = [
     "DEFAULT_SAFE_MODULES",
@@ -153,13 +153,17 @@ class AutocastZeroConfig(PluginConfig):
     initial_scale_power: int = pydantic.Field(default=16, ge=0, le=MAX_SCALE_POWER)
     """float16 dynamic scaling: the first loss scale is ``2**initial_scale_power`` (0 to 32)."""
 
-    loss_scale_window: int = pydantic.Field(default=1000, ge=1)
+    loss_scale_window: int = pydantic.Field(default=1000, ge=1, le=MAX_STEPS)
     """float16 dynamic scaling: the scale doubles at each step preceded by a multiple of this many
-    steps without overflow (DeepSpeed's ``loss_scale_window`` rule)."""
+    steps without overflow (DeepSpeed's ``loss_scale_window`` rule).  1 to 2**31 - 1
+    (``zerohooks.strict.MAX_STEPS``): a window longer than any run never grows the scale, which a
+    static ``loss_scale`` says plainly."""
 
-    hysteresis: int = pydantic.Field(default=2, ge=1)
+    hysteresis: int = pydantic.Field(default=2, ge=1, le=MAX_STEPS)
     """float16 dynamic scaling: overflowing steps tolerated before the scale halves (every one is
-    skipped); 1 halves at every overflow.  Refilled when the scale grows."""
+    skipped); 1 halves at every overflow.  Refilled when the scale grows.  1 to 2**31 - 1
+    (``zerohooks.strict.MAX_STEPS``): more would skip every step of a run without ever backing
+    off."""
 
     min_loss_scale: float = 1.0
     """float16 dynamic scaling: the scale never goes below this (finite, from 2**-24 to the first
@@ -249,7 +253,9 @@ class AutocastZeroConfig(PluginConfig):
 
 
 def _enabled(section: Any) -> bool:
-    return isinstance(section, dict) and bool(section.get("enabled", False))
+    """A DeepSpeed section switched on: ``{"enabled": true}``, or the bare ``true`` that DeepSpeed
+    itself refuses (named here as the conflict it also is)."""
+    return section is True or (isinstance(section, dict) and bool(section.get("enabled", False)))
 
 
 def check_deepspeed_config(cfg: AutocastZeroConfig, ds: dict[str, Any]) -> None:
@@ -258,9 +264,10 @@ def check_deepspeed_config(cfg: AutocastZeroConfig, ds: dict[str, Any]) -> None:
     for key in ("fp16", "bf16", "bfloat16"):
         if _enabled(ds.get(key)):
             problems.append(
-                f'"{key}" is enabled: autocastzero keeps fp32 parameters and runs the forward under '
-                f'torch.autocast instead; remove the "{key}" section (or set "enabled": false) and choose '
-                'the autocast dtype with "autocastzero": {"dtype": ...}'
+                f'"{key}" is enabled{" (a bare true)" if ds.get(key) is True else ""}: autocastzero keeps '
+                "fp32 parameters and runs the forward under torch.autocast instead; remove the "
+                f'"{key}" section (or set "enabled": false) and choose the autocast dtype with '
+                '"autocastzero": {"dtype": ...}'
             )
     if _enabled(ds.get("torch_autocast")):
         problems.append(

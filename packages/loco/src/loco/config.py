@@ -7,8 +7,13 @@ from typing import ClassVar, Literal
 import pydantic
 
 from zerohooks import PluginConfig
+from zerohooks.strict import MAX_NUMEL, MAX_STEPS
 
-__all__ = ["LocoConfig"]
+__all__ = ["MAX_NODE_SIZE", "LocoConfig"]
+
+MAX_NODE_SIZE = 2**16
+"""Upper bound of ``node_size``: ranks on one node (one per accelerator, or per CPU core on
+gloo; the largest hosts have a few thousand cores)."""
 
 
 class LocoConfig(PluginConfig):
@@ -27,9 +32,11 @@ class LocoConfig(PluginConfig):
     """Error-feedback decay: ``e <- err_beta * e + (1 - err_beta) * (x - deQ(Q(x)))`` with
     ``x = g + e``.  0 is classic error feedback; 1 keeps ``e`` at zero (no compensation)."""
 
-    reset_T: int = pydantic.Field(default=1024, ge=0)
+    reset_T: int = pydantic.Field(default=1024, ge=0, le=MAX_STEPS)
     """Clear every error buffer after each optimizer step whose number (``engine.global_steps``
-    after the step, skipped fp16 steps included) is a multiple of ``reset_T``; 0 never clears."""
+    after the step, skipped fp16 steps included) is a multiple of ``reset_T``; 0 never clears.
+    At most 2**31 - 1 (``zerohooks.strict.MAX_STEPS``): a longer period than any run means
+    never, which is 0."""
 
     group_size: Literal[64, 128, 256, 512, 1024] = 128
     """Elements per quantization group (one fp32 scale each), for gradients and int8 errors."""
@@ -38,10 +45,12 @@ class LocoConfig(PluginConfig):
     """Storage of the error buffers: int8 codes with one fp32 scale per group (about 1 byte per
     element), bf16 (2 bytes) or fp32 (4 bytes, exact)."""
 
-    exact_below: int | None = pydantic.Field(default=None, ge=0)
+    exact_below: int | None = pydantic.Field(default=None, ge=0, le=MAX_NUMEL)
     """Tensors (ZeRO 3: per parameter; ZeRO 1/2: per bucket call) with fewer elements than this
     are reduced exactly in the communication dtype.  None: ``world_size * group_size``, below
-    which one rank's chunk is smaller than one group and 4-bit codes would save nothing."""
+    which one rank's chunk is smaller than one group and 4-bit codes would save nothing.  At
+    most 2**48 (``zerohooks.strict.MAX_NUMEL``, more elements than any tensor has: that value
+    already reduces every tensor exactly)."""
 
     error_feedback: bool = True
     """False: plain 4-bit quantization without error buffers (no memory, no compensation), for
@@ -70,9 +79,10 @@ class LocoConfig(PluginConfig):
     bytes).  ``collective``: gloo's ``all_to_all_single`` / ``all_gather_into_tensor``, for
     comparison.  The results are the same bit for bit; other backends keep their collectives."""
 
-    node_size: int | None = pydantic.Field(default=None, ge=1)
-    """Ranks per node (node n holds ranks n*node_size ... (n+1)*node_size-1).  None: the
-    ``LOCAL_WORLD_SIZE`` (torchrun) or ``LOCAL_SIZE`` environment variable, else one node."""
+    node_size: int | None = pydantic.Field(default=None, ge=1, le=MAX_NODE_SIZE)
+    """Ranks per node (node n holds ranks n*node_size ... (n+1)*node_size-1), 1 to 65536
+    (:data:`MAX_NODE_SIZE`).  None: the ``LOCAL_WORLD_SIZE`` (torchrun) or ``LOCAL_SIZE``
+    environment variable, else one node."""
 
     on_skip: Literal["restore", "reset"] = "restore"
     """When an fp16 step is skipped (overflow): ``restore`` the error buffers as they were

@@ -179,6 +179,25 @@ class LocoPlugin(ZeroPlugin):
 
     # -- setup -----------------------------------------------------------------------------------
     def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
+        # loco owns the gradient collective and averages as DeepSpeed does by default (sum, then
+        # divide by the world size): DeepSpeed's other averaging settings would be ignored on ZeRO
+        # 0/1 and are DeepSpeed's assertion on ZeRO 2/3 ("not yet supported ... with reduce
+        # scatter"); refused here, before anything is built
+        factor = ds_config.get("gradient_predivide_factor", 1.0)
+        if factor != 1.0:
+            raise ConfigError(
+                f"gradient_predivide_factor is {factor!r}: loco owns the gradient collective and averages "
+                "as DeepSpeed does by default (sum, then divide by the world size), so a pre-division "
+                "factor would be ignored (and DeepSpeed refuses it on ZeRO 2/3 with reduce_scatter); "
+                "remove gradient_predivide_factor (the accepted value is 1.0, the default)"
+            )
+        if ds_config.get("prescale_gradients"):
+            raise ConfigError(
+                f"prescale_gradients is {ds_config['prescale_gradients']!r}: loco owns the gradient "
+                "collective and averages as DeepSpeed does by default (sum, then divide by the world "
+                "size), so pre-scaling would be ignored (and DeepSpeed refuses it on ZeRO 2/3 with "
+                "reduce_scatter); remove prescale_gradients or set it to false"
+            )
         zero = ds_config.get("zero_optimization") or {}
         if isinstance(zero, dict) and zero.get("zero_quantized_gradients"):
             raise ConfigError(

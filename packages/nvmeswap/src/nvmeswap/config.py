@@ -7,6 +7,7 @@ from typing import Any, ClassVar, Literal
 import pydantic
 
 from zerohooks import ConfigError, PluginConfig
+from zerohooks.strict import MAX_NUMEL
 
 __all__ = ["MAX_BLOCK_SIZE", "MAX_BUFFERS", "MAX_IO_THREADS", "NvmeSwapConfig", "rewrite_offload"]
 
@@ -42,8 +43,10 @@ class NvmeSwapConfig(PluginConfig):
     block_size: int = pydantic.Field(1 << 20, ge=4096, le=MAX_BLOCK_SIZE, multiple_of=4096)
     """Bytes per I/O request, a multiple of 4096 from 4 KiB to 256 MiB; a sub-group's file is
     read and written in pieces of this size."""
-    min_swap_numel: int = pydantic.Field(0, ge=0)
-    """Sub-groups with fewer elements stay in RAM (DeepSpeed's own swapper keeps those under 1 MiB)."""
+    min_swap_numel: int = pydantic.Field(0, ge=0, le=MAX_NUMEL)
+    """Sub-groups with fewer elements stay in RAM (DeepSpeed's own swapper keeps those under 1 MiB).
+    At most 2**48 (``zerohooks.strict.MAX_NUMEL``, more elements than any sub-group has: that
+    value already keeps every sub-group in RAM)."""
     io_engine: Literal["detect", "native", "python"] = "detect"
     """``detect`` (the default, also when the key is absent): the C++ engine, or the pure-Python
     one (with a warning) if it cannot be built; ``native``: the C++ engine or an error;
@@ -110,6 +113,14 @@ def rewrite_offload(ds_config: dict[str, Any], cfg: NvmeSwapConfig) -> str:
         raise ConfigError(
             f"zero_optimization.offload_optimizer.ratio = {ratio!r}{partial} is not supported with nvmeswap: "
             "the accepted value is the JSON number 1.0 (the default): remove the key"
+        )
+    optimizer = ds_config.get("optimizer")
+    params = optimizer.get("params") if isinstance(optimizer, dict) else None
+    if isinstance(params, dict) and params.get("amsgrad"):
+        raise ConfigError(
+            f"optimizer.params.amsgrad is {params['amsgrad']!r} with nvmeswap: amsgrad keeps a third fp32 "
+            "state tensor per element (max_exp_avg_sq) and nvmeswap's swap files hold two (the Adam "
+            "moments, or one momentum buffer); set amsgrad to false or remove it"
         )
     new = {k: v for k, v in off.items() if k not in ("pipeline_read", "pipeline_write", "buffer_count")}
     new["device"] = "cpu"

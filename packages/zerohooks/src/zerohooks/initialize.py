@@ -14,7 +14,7 @@ from zerohooks import watchdog
 from zerohooks._compat import original_initialize
 from zerohooks.adapter import attach, attachment, detach
 from zerohooks.config import load_config, split_plugin_sections
-from zerohooks.dsconfig import engine_context, setup_context
+from zerohooks.dsconfig import check_zero_optimizer, engine_context, setup_context
 from zerohooks.errors import ConfigError
 from zerohooks.hookspec import SetupContext
 from zerohooks.plugin import ZeroPlugin
@@ -74,6 +74,9 @@ def _prepare(
         if enabled:
             raise
         ctx = None  # no plugin to tell: DeepSpeed judges its own config (it may accept it)
+    if ctx is not None and enabled:
+        # DeepSpeed's "untested ZeRO Optimizer" assertion, said before anything is built
+        check_zero_optimizer(ds_config, params.get("optimizer"), ctx.zero_stage)
     registry = HookRegistry()
     if ctx is not None:
         for p in enabled:

@@ -22,10 +22,19 @@ from typing import Annotated, Any
 
 import pydantic
 
-__all__ = ["STRICT", "StrList", "accepted", "exact_literal_types"]
+__all__ = ["MAX_NUMEL", "MAX_STEPS", "STRICT", "StrList", "accepted", "exact_literal_types"]
 
 STRICT = pydantic.ConfigDict(strict=True, allow_inf_nan=False)
 """The validation settings every plugin config inherits."""
+
+MAX_STEPS = 2**31 - 1
+"""Upper bound of every field counted in optimizer steps (a period, a window, a count of
+steps): a run of 2**31 steps takes 250 days at 10 ms a step, and a period longer than the run
+means the same as never, which each such field spells otherwise (0, or its default)."""
+
+MAX_NUMEL = 2**48
+"""Upper bound of every field counted in tensor elements (a size threshold): no tensor has
+2**48 elements (256 TiB at one byte each), so this bound already means "every tensor"."""
 
 StrList = Annotated[tuple[str, ...], pydantic.Strict(False)]
 """A JSON array of strings (held as a tuple); each element must be a JSON string."""
