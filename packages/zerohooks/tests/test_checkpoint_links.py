@@ -307,7 +307,9 @@ def _loads_choose_one_tag(root: str) -> dict[str, str]:
     if _rank() == 0:
         os.symlink(os.path.join(other_run, "other"), os.path.join(ckpt, "linked"))
     dist.barrier()
-    said["linked"] = _refused(loader, q, fresh, ckpt, ["is a symbolic link", "'linked'"], tag="linked")
+    said["linked"] = _refused(
+        loader, q, fresh, ckpt, ["is a symbolic link", "/linked'", "outside/other"], tag="linked"
+    )
 
     # 'latest' moved to B while the load runs (after zerohooks read it, before DeepSpeed reads
     # files): weights and plugin state both come from A, the tag read once

@@ -292,7 +292,10 @@ class _Save:
         try:
             failed = _agree(failure is None, failure or "")
         except Exception as e:
-            now = read_latest(self.save_dir)
+            try:
+                now = read_latest(self.save_dir)
+            except CheckpointStateError as unreadable:
+                now = f"<unreadable: {unreadable}>"
             raise CheckpointSaveError(
                 f"checkpoint {self.tag!r} in {self.save_dir!r}: every rank wrote and verified its files, "
                 f"but the ranks could not agree on moving 'latest' ({type(e).__name__}: {e}); 'latest' "

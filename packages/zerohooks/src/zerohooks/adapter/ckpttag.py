@@ -94,20 +94,20 @@ def read_pointer(folder: str, name: str = "latest") -> str | None:
     data = read_bytes(path, 0, POINTER_MAX + 1, what=what)
     if len(data) > POINTER_MAX:
         raise CheckpointStateError(
-            f"{what}, {path!r}, is longer than {POINTER_MAX} bytes: it is not a tag. {ACCEPTED}; "
+            f"{what}, {path!r}, is longer than {POINTER_MAX} bytes: it is not a tag; {ACCEPTED}; "
             "point it at a checkpoint of this folder, or pass tag=... to load_checkpoint"
         )
     try:
         tag = data.decode("utf-8").strip()
     except UnicodeDecodeError:
         raise CheckpointStateError(
-            f"{what}, {path!r}, is not UTF-8 text: it is not a tag. {ACCEPTED}; point it at a checkpoint "
+            f"{what}, {path!r}, is not UTF-8 text: it is not a tag; {ACCEPTED}; point it at a checkpoint "
             "of this folder, or pass tag=... to load_checkpoint"
         ) from None
     problem = tag_problem(tag)
     if problem:
         raise CheckpointStateError(
-            f"{what}, {path!r}, names {tag!r}, which is not a checkpoint of {folder!r}: {problem}. {ACCEPTED}; "
+            f"{what}, {path!r}, names {tag!r}, which is not a checkpoint of {folder!r}: {problem}; {ACCEPTED}; "
             "point it at a checkpoint of this folder, or pass tag=... to load_checkpoint"
         )
     return tag
