@@ -92,12 +92,16 @@ SURFACE: tuple[Internal, ...] = (
     # engine's checkpoint engine and the DeepSpeed classes its files may hold; without them the
     # load falls back to torch's own weights-only reader, so none is required when an engine is built
     *_entries("zerohooks", ENGINE, _ALL, optional="checkpoint_engine"),
+    # checkpoint saves create every file without following a link (adapter/ckptwrite.py): the
+    # checkpoint engine's save (its zipfile_serialization read) and the recovery-script copy
     *_entries(
         "zerohooks",
         "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine.TorchCheckpointEngine",
         _ALL,
-        optional_patch="load",
+        optional_patch="load save",
+        optional="zipfile_serialization",
     ),
+    *_entries("zerohooks", ENGINE, _ALL, optional_patch="_copy_recovery_script"),
     *_entries(
         "zerohooks", "deepspeed.runtime.fp16.loss_scaler", _ALL, optional="DynamicLossScaler LossScaler"
     ),

@@ -1,12 +1,16 @@
 """Plugin state in DeepSpeed checkpoints: one checked file per rank beside DeepSpeed's own files,
 committed all or nothing.
 
-Saving (only when a plugin keeps state; otherwise ``save_checkpoint`` is DeepSpeed's, untouched):
+Saving (every engine built by zerohooks, with or without plugin state):
 
-1. every rank creates the tag folder and the ranks agree that each could;
+1. the tag is checked to be one folder name (:func:`.ckpttag.tag_problem`); every rank creates and
+   opens the tag folder without following a link (a tag folder that is a link is refused), removes
+   the temporary files a killed save left there (:mod:`.ckptwrite`), and the ranks agree that each
+   could;
 2. DeepSpeed writes its files, called with ``save_latest=False`` so that it does not move
-   ``latest`` itself;
-3. every rank writes its plugin state (:mod:`zerohooks.adapter.statefile`: checksum, temporary
+   ``latest`` itself; each file is created through a fresh temporary file renamed over its name,
+   relative to the open folders, so a planted link is replaced, never followed (:mod:`.ckptwrite`);
+3. (when a plugin keeps state) every rank writes its plugin state (:mod:`zerohooks.adapter.statefile`: checksum, temporary
    file, ``fsync``, rename, folder ``fsync``) and reads it back to check it;
 4. the ranks agree that every rank succeeded (:func:`_agree`);
 5. only then rank 0 points ``latest`` at the new tag atomically (when the caller asked for
@@ -19,7 +23,14 @@ file system is full), with ``latest`` still naming the previous checkpoint.  Wit
 checkpoint engine that writes asynchronously (``is_decoupled()``), which moves ``latest`` itself
 once its files are committed, the plugin state is written and agreed on before DeepSpeed's save.
 
-Loading: a checkpoint and the engine loading it must agree on which plugins keep state, and every
+Loading: the tag is chosen once (:func:`_choose_tag`): ``latest`` (or ``latest_universal``) is read
+once per load, checked to name a tag folder directly inside the load folder
+(:mod:`.ckpttag`), the ranks agree on it, and that tag is passed explicitly to DeepSpeed's load,
+to the scan of DeepSpeed's files and to the plugin-state load, so a ``latest`` moved during the
+load cannot mix checkpoints.  A missing, linked or malformed tag is a
+:class:`~zerohooks.errors.CheckpointStateError` naming the folder and the tags that exist.
+
+A checkpoint and the engine loading it must agree on which plugins keep state, and every
 state file must pass its checksum; any mismatch or damage on any rank is a
 :class:`~zerohooks.errors.CheckpointStateError` on every rank naming the file and the rank, never
 a silent change of the run.  ``load_module_only=True`` and ``load_optimizer_states=False`` load
@@ -41,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from zerohooks import watchdog
-from zerohooks.adapter import dsfiles
+from zerohooks.adapter import ckpttag, ckptwrite, dsfiles
 from zerohooks.adapter.statefile import FORMAT, read_latest, read_state, state_file, write_latest, write_state
 from zerohooks.errors import CheckpointDiskFullError, CheckpointSaveError, CheckpointStateError
 
@@ -165,20 +176,27 @@ def _payload(att: Attachment, rank: int, world: int) -> dict[str, Any]:
 
 
 def _write_state(att: Attachment, save_dir: str, tag: str) -> str:
-    """Write and check this rank's plugin state of checkpoint ``tag``; return the file's path."""
+    """Write and check this rank's plugin state of checkpoint ``tag``; return the file's path
+    (written into the open tag folder of the save running, :mod:`.ckptwrite`)."""
     rank, world = _rank_world()
     path = state_file(save_dir, tag, rank)
-    write_state(path, _payload(att, rank, world), rank)
+    target = ckptwrite.current(att)
+    fd = None if target is None else target.fd_of(os.path.dirname(path))
+    write_state(path, _payload(att, rank, world), rank, fd)
     return path
 
 
-def _discard(path: str | None) -> None:
+def _discard(path: str | None, target: ckptwrite.SaveTarget | None = None) -> None:
     """Remove this rank's state file of a save that did not commit (best effort): the
     incomplete checkpoint then fails to load by its tag instead of loading half-saved."""
     if path is None:
         return
+    fd = None if target is None else target.fd_of(os.path.dirname(path))
     with contextlib.suppress(OSError):
-        os.unlink(path)
+        if fd is None:
+            os.unlink(path)
+        else:
+            os.unlink(os.path.basename(path), dir_fd=fd)
 
 
 def _rejoin() -> None:
@@ -192,39 +210,53 @@ def _rejoin() -> None:
 class _Save:
     """One ``save_checkpoint`` call with plugin state, run as the module docstring describes."""
 
-    __slots__ = ("att", "previous", "save_dir", "tag", "written")
+    __slots__ = ("att", "previous", "save_dir", "tag", "target", "written")
 
     def __init__(self, att: Attachment, save_dir: str, tag: str) -> None:
         self.att = att
         self.save_dir = save_dir
         self.tag = tag
-        self.previous = read_latest(save_dir)
+        try:
+            self.previous = read_latest(save_dir)
+        except CheckpointStateError:  # a link or no regular file: replaced by this save's 'latest'
+            self.previous = None
         self.written: str | None = None
+        self.target: ckptwrite.SaveTarget | None = None
+
+    def close(self) -> None:
+        """Close the open save and tag folders."""
+        if self.target is not None:
+            self.target.close()
 
     def agree(self, failure: str | None) -> None:
         """Raise the save's error on every rank unless every rank succeeded."""
         try:
             failed = _agree(failure is None, failure or "")
         except Exception as e:  # a rank died or the group broke: nothing may be committed
-            _discard(self.written)
+            _discard(self.written, self.target)
             raise CheckpointSaveError(
                 f"checkpoint {self.tag!r} in {self.save_dir!r} was not saved: the ranks could not agree "
                 f"that every rank wrote it ({type(e).__name__}: {e}); 'latest' was not moved"
                 + (f" and still names {self.previous!r}" if self.previous is not None else "")
             ) from e
         if failed:
-            _discard(self.written)
+            _discard(self.written, self.target)
             raise _save_error(failed, self.save_dir, self.tag, self.previous)
 
     def prepare(self) -> None:
-        """Create the tag folder on every rank before DeepSpeed starts (DeepSpeed creates the
-        checkpoint folder on rank 0 only, and a failure there would leave the ranks apart)."""
+        """Create and open the tag folder on every rank before DeepSpeed starts (DeepSpeed creates
+        the checkpoint folder on rank 0 only, and a failure there would leave the ranks apart);
+        a tag folder that is a link is refused (:func:`.ckptwrite.open_target`)."""
         failure = None
         try:
-            os.makedirs(os.path.join(self.save_dir, self.tag), exist_ok=True)
-        except OSError as e:
+            self.target = ckptwrite.open_target(self.save_dir, self.tag)
+        except Exception as e:
             failure = _describe(e, "creating the checkpoint folder", self.save_dir)
-        self.agree(failure)
+        try:
+            self.agree(failure)
+        except BaseException:
+            self.close()
+            raise
 
     def deepspeed(
         self, original: Callable[..., Any], bound: inspect.BoundArguments
@@ -254,13 +286,16 @@ class _Save:
         failure = None
         if _rank_world()[0] == 0:
             try:
-                write_latest(self.save_dir, self.tag)
+                write_latest(self.save_dir, self.tag, None if self.target is None else self.target.save_fd)
             except Exception as e:
                 failure = _describe(e, "writing 'latest'", self.save_dir)
         try:
             failed = _agree(failure is None, failure or "")
         except Exception as e:
-            now = read_latest(self.save_dir)
+            try:
+                now = read_latest(self.save_dir)
+            except CheckpointStateError as unreadable:
+                now = f"<unreadable: {unreadable}>"
             raise CheckpointSaveError(
                 f"checkpoint {self.tag!r} in {self.save_dir!r}: every rank wrote and verified its files, "
                 f"but the ranks could not agree on moving 'latest' ({type(e).__name__}: {e}); 'latest' "
@@ -278,19 +313,52 @@ def _is_decoupled(engine: Any) -> bool:
 def _save(att: Attachment, original: Callable[..., Any], bound: inspect.BoundArguments) -> Any:
     engine = att.engine
     args = bound.arguments
+    if not args.get("save_dir"):
+        return original(*bound.args, **bound.kwargs)  # DeepSpeed's own ValueError
     if args.get("tag") is None:
         args["tag"] = f"global_step{engine.global_steps}"  # DeepSpeed's own default tag
     save_dir, tag = os.fspath(args["save_dir"]), str(args["tag"])
+    problem = ckpttag.tag_problem(tag)
+    if problem:
+        raise CheckpointSaveError(
+            f"save_checkpoint({save_dir!r}, tag={tag!r}) refused: the tag is not a checkpoint folder name, "
+            f"{problem}; {ckpttag.ACCEPTED}. Nothing was written"
+        )
+    args["tag"] = tag
     save_latest = bool(args.get("save_latest", True))
+    ckptwrite.before_save(att)
     job = _Save(att, save_dir, tag)
     job.prepare()
-    if _is_decoupled(engine):
-        # DeepSpeed writes 'latest' itself once its asynchronous write commits: state goes first
-        job.agree(job.plugin_state())
+    try:
+        assert job.target is not None
+        with ckptwrite.writing(att, job.target):
+            return _run_save(job, original, bound, save_latest)
+    finally:
+        job.close()
+
+
+def _run_save(
+    job: _Save, original: Callable[..., Any], bound: inspect.BoundArguments, save_latest: bool
+) -> Any:
+    """Steps 2-5 of the module docstring, in the folders ``job`` opened."""
+    att = job.att
+    stateful = bool(att.registry.states)
+    if _is_decoupled(att.engine):
+        # DeepSpeed writes 'latest' itself once its asynchronous write commits: state goes first,
+        # and a link at 'latest' is refused now (DeepSpeed's own write of it would follow it)
+        failure = None
+        try:
+            if save_latest:
+                ckptwrite.refuse_link(os.path.join(job.save_dir, "latest"), "the checkpoint pointer 'latest'")
+        except CheckpointSaveError as e:
+            failure = f"checking 'latest': {e}"
+        if failure is None and stateful:
+            failure = job.plugin_state()
+        job.agree(failure)
         return original(*bound.args, **bound.kwargs)
-    args["save_latest"] = False
+    bound.arguments["save_latest"] = False
     out, failure = job.deepspeed(original, bound)
-    if failure is None:
+    if failure is None and stateful:
         failure = job.plugin_state()
     job.agree(failure)
     if save_latest:
@@ -298,12 +366,29 @@ def _save(att: Attachment, original: Callable[..., Any], bound: inspect.BoundArg
     return out
 
 
-def _resolve_tag(engine: Any, load_dir: str, tag: str | None) -> str | None:
-    if tag is not None:
-        return tag
-    universal = getattr(engine, "load_universal_checkpoint", None)
-    name = "latest_universal" if callable(universal) and universal() else "latest"
-    return read_latest(load_dir, name)
+def _universal(engine: Any) -> bool:
+    probe = getattr(engine, "load_universal_checkpoint", None)
+    return bool(probe()) if callable(probe) else False
+
+
+def _zero3_weights(engine: Any, bound: inspect.BoundArguments) -> bool:
+    """Whether DeepSpeed's load reads ``latest`` itself: ZeRO 3 without optimizer states."""
+    stage3 = getattr(engine, "zero_optimization_partition_weights", lambda: False)()
+    return bool(stage3) and not bool(bound.arguments.get("load_optimizer_states", True))
+
+
+def _no_pointer(engine: Any, load_dir: str, pointer: str) -> tuple[None, None]:
+    """DeepSpeed's outcome of a load without tag and without ``latest``."""
+    from deepspeed.utils import logger
+
+    path = os.path.join(load_dir, pointer)
+    if _universal(engine):
+        raise ValueError(f"Invalid for universal checkpoint: {path} does not exist")
+    logger.warning(
+        f"Unable to find latest file at {path}, if trying to load latest checkpoint please ensure this "
+        "file exists or pass an explicit checkpoint tag when loading a checkpoint."
+    )
+    return None, None
 
 
 def _check(att: Attachment, load_dir: str, tag: str) -> dict[str, Any] | None:
@@ -403,19 +488,9 @@ def _warn_weights_only(att: Attachment, how: str) -> None:
         )
 
 
-def _guarded(att: Attachment, bound: inspect.BoundArguments) -> contextlib.AbstractContextManager[None]:
-    """DeepSpeed's own files of this load read without running code (:mod:`.dsfiles`)."""
-    load_dir = os.fspath(bound.arguments["load_dir"])
-    tag = bound.arguments.get("tag")
-    resolved = _resolve_tag(att.engine, load_dir, None if tag is None else str(tag))
-    folder = None if resolved is None else os.path.join(load_dir, resolved)
-    folders = [] if folder is None else [folder]
-    stage3 = getattr(att.engine, "zero_optimization_partition_weights", lambda: False)()
-    if stage3 and not bool(bound.arguments.get("load_optimizer_states", True)):
-        # DeepSpeed then reads the fp32 weights of the checkpoint 'latest' names, whatever the tag
-        latest = read_latest(load_dir)
-        if latest is not None and os.path.join(load_dir, latest) not in folders:
-            folders.append(os.path.join(load_dir, latest))
+def _guarded(att: Attachment, load_dir: str, tag: str) -> contextlib.AbstractContextManager[None]:
+    """DeepSpeed's own files of checkpoint ``tag`` read without running code (:mod:`.dsfiles`)."""
+    folder = os.path.join(load_dir, tag)
     rank = _rank_world()[0]
 
     def agree(found: str | None) -> None:
@@ -428,7 +503,9 @@ def _guarded(att: Attachment, bound: inspect.BoundArguments) -> contextlib.Abstr
                 f"(and the classes the enabled plugins declare). {dsfiles.TRUST_HINT}"
             )
 
-    return dsfiles.guarded(att, folders, rank, agree)
+    # with ZeRO 3 and no optimizer states DeepSpeed reads the weights of 'latest': the same tag
+    # (ckpttag.choose refuses any other)
+    return dsfiles.guarded(att, [folder], rank, agree)
 
 
 def install_checkpoint_patches(att: Attachment) -> None:
@@ -439,8 +516,6 @@ def install_checkpoint_patches(att: Attachment) -> None:
         signature = inspect.signature(original)
 
         def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
-            if not att.registry.states:
-                return original(*args, **kwargs)  # DeepSpeed's save, untouched
             try:
                 bound = signature.bind(*args, **kwargs)
             except TypeError:
@@ -459,8 +534,19 @@ def install_checkpoint_patches(att: Attachment) -> None:
                 return original(*args, **kwargs)  # DeepSpeed reports the bad call itself
             module_only = bool(bound.arguments.get("load_module_only", False))
             optimizer = bool(bound.arguments.get("load_optimizer_states", True))
-            with _guarded(att, bound):
-                out = original(*args, **kwargs)
+            load_dir, given = os.fspath(bound.arguments["load_dir"]), bound.arguments.get("tag")
+            zero3_weights = _zero3_weights(engine, bound)
+            # the one read of 'latest' of this load: every later step gets this tag
+            choice = ckpttag.choose(
+                load_dir, None if given is None else str(given), _universal(engine), zero3_weights
+            )
+            if choice.tag is None:
+                return _no_pointer(engine, load_dir, choice.pointer)
+            bound.arguments["tag"] = choice.tag
+            with _guarded(att, load_dir, choice.tag):
+                out = original(*bound.args, **bound.kwargs)
+            if zero3_weights:
+                ckpttag.check_unmoved(load_dir, choice)
             load_path = out[0] if isinstance(out, tuple) else out
             if load_path is None:
                 return out
@@ -468,13 +554,11 @@ def install_checkpoint_patches(att: Attachment) -> None:
                 how = "load_module_only=True" if module_only else "load_optimizer_states=False"
                 _warn_weights_only(att, how)
                 return out
-            load_dir, tag = os.fspath(bound.arguments["load_dir"]), bound.arguments.get("tag")
-            resolved = _resolve_tag(engine, load_dir, None if tag is None else str(tag))
-            if resolved is not None:
-                _load(att, load_dir, resolved)
+            _load(att, load_dir, choice.tag)
             return out
 
         return load_checkpoint
 
     att.patch(engine, "save_checkpoint", make_save, "DeepSpeedEngine")
+    ckptwrite.install(att)
     att.patch(engine, "load_checkpoint", make_load, "DeepSpeedEngine")

@@ -16,10 +16,12 @@ is plain data (dicts, lists, tuples, strings, numbers, booleans, None and tensor
 with ``torch.load(..., weights_only=True)``, which cannot run code: a pickle that names any other
 class or function is refused, naming the file, the rank and what it holds, without running it.
 
-A file is written to a fresh temporary name made with ``mkstemp`` (``O_EXCL``, ``O_NOFOLLOW``) in
-the target folder, flushed and ``fsync``-ed, renamed over the final name (a symbolic link planted
-there is replaced, never followed), the folder ``fsync``-ed, and read back to check its checksum
-before the save may commit.  Files are read with ``O_NOFOLLOW`` and must be regular files.
+A file is written to a fresh temporary name ``.<name>.<8 characters>.tmp`` (``O_CREAT``,
+``O_EXCL``, ``O_NOFOLLOW``, relative to the open target folder) in the target folder, flushed and
+``fsync``-ed, renamed over the final name (a symbolic link planted there is replaced, never
+followed), the folder ``fsync``-ed, and read back to check its checksum before the save may
+commit.  DeepSpeed's own files of a checkpoint are written the same way
+(:mod:`zerohooks.adapter.ckptwrite`).  Files are read with ``O_NOFOLLOW`` and must be regular files.
 
 Files of format 1 (a bare ``torch.save`` of the payload, written by zerohooks before checksums
 existed) are read with ``weights_only=True`` too, with a warning that their damage cannot be
@@ -30,16 +32,18 @@ detected; one holding anything else is refused with the command that converts a 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
 import os
 import pickle
 import re
+import secrets
 import stat
-import tempfile
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import Any, BinaryIO
 
 import torch
 
@@ -50,10 +54,12 @@ __all__ = [
     "FORMAT",
     "LEGACY_FORMAT",
     "MAGIC",
+    "TEMP_NAME",
     "check_plain",
     "encode",
     "fsync_dir",
     "load_plain",
+    "open_folder",
     "read_bytes",
     "read_latest",
     "read_state",
@@ -63,6 +69,7 @@ __all__ = [
     "write_atomic",
     "write_latest",
     "write_state",
+    "write_via_temp",
 ]
 
 MAGIC = b"zerohooks-state\n"
@@ -147,49 +154,79 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a fresh temporary file in the same folder (``mkstemp``:
-    ``O_EXCL`` and ``O_NOFOLLOW``, mode 0600 then the umask's default), ``fsync``, rename (which
-    replaces a symbolic link at ``path`` rather than following it) and folder fsync."""
-    folder = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.[0-9a-z_]{8}\.tmp$")
+"""How the temporary files of :func:`write_via_temp` (and of older zerohooks, ``mkstemp``) are
+named: ``.<final name>.<8 characters>.tmp`` in the final file's folder."""
+
+
+def _temp_name(name: str) -> str:
+    return f".{name}.{secrets.token_hex(4)}.tmp"
+
+
+def write_via_temp(
+    dir_fd: int, name: str, fill: Callable[[BinaryIO], object], mode: int | None = None
+) -> None:
+    """Create ``name`` in the folder open as ``dir_fd`` without following any link: ``fill``
+    writes the content into a fresh temporary file (``O_CREAT|O_EXCL|O_NOFOLLOW``, relative to
+    ``dir_fd``, mode 0666 less the umask, or ``mode``), which is flushed, ``fsync``-ed and renamed
+    over ``name`` (a link planted at ``name`` is replaced, never followed), then the folder is
+    ``fsync``-ed.  On any failure the temporary file is removed and the error raised."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = _temp_name(name)
+        try:
+            fd = os.open(tmp, flags, 0o666, dir_fd=dir_fd)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(errno.EEXIST, f"no free temporary name for {name!r}")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            fill(f)
             f.flush()
-            os.fchmod(f.fileno(), 0o666 & ~_umask())
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
         raise
-    fsync_dir(folder)
+    with contextlib.suppress(OSError):  # some file systems refuse fsync on a folder
+        os.fsync(dir_fd)
 
 
-def _umask() -> int:
-    """The process umask (read without changing it where /proc allows; else set and restored)."""
+def open_folder(path: str) -> int:
+    """A file descriptor of the folder ``path`` (its own path followed: the caller chose it)."""
+    return os.open(path or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+
+
+def write_atomic(path: str, data: bytes, dir_fd: int | None = None) -> None:
+    """Write ``data`` to ``path`` through :func:`write_via_temp` (a link at ``path`` is replaced,
+    never followed).  With ``dir_fd`` (the folder of ``path``, already open) only the last
+    component of ``path`` is used, so a folder swapped for a link meanwhile is not followed."""
+    name = os.path.basename(path)
+    if dir_fd is not None:
+        write_via_temp(dir_fd, name, lambda f: f.write(data))
+        return
+    fd = open_folder(os.path.dirname(path))
     try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+        write_via_temp(fd, name, lambda f: f.write(data))
+    finally:
+        os.close(fd)
 
 
-def write_state(path: str, payload: dict[str, Any], rank: int) -> None:
+def write_state(path: str, payload: dict[str, Any], rank: int, dir_fd: int | None = None) -> None:
     """Write ``payload`` to ``path`` durably, then read the file back and check its checksum.
 
     Raises ``OSError`` / ``RuntimeError`` from the write, ``ValueError`` for a payload that is not
     plain data, or :class:`CheckpointStateError` when the file read back differs from what was
     written."""
     data = encode(payload)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    write_atomic(path, data)
+    if dir_fd is None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_atomic(path, data, dir_fd)
     verify_file(path, rank)
 
 
@@ -398,7 +435,8 @@ def read_latest(folder: str, name: str = "latest") -> str | None:
         return None  # unreadable: as if absent, as before (DeepSpeed reports it in its own words)
 
 
-def write_latest(folder: str, tag: str) -> None:
+def write_latest(folder: str, tag: str, dir_fd: int | None = None) -> None:
     """Point ``folder/latest`` at ``tag`` atomically, with the content DeepSpeed writes (the tag,
-    no newline): readers see the old tag or the new one, never a torn file."""
-    write_atomic(os.path.join(folder, "latest"), str(tag).encode("utf-8"))
+    no newline): readers see the old tag or the new one, never a torn file (``dir_fd``: ``folder``
+    already open)."""
+    write_atomic(os.path.join(folder, "latest"), str(tag).encode("utf-8"), dir_fd)
