@@ -3,7 +3,7 @@
 ``torch.load(..., weights_only=True)`` cannot run code, but the objects it may build can still
 cost memory out of all proportion to the file: ``builtins.bytearray(4_000_000_000)`` from an 8 KB
 file, a legacy ``torch.FloatStorage(n)`` or ``torch.FloatTensor(n)``, a tensor view larger than
-its storage (``Tensor.set_`` grows the storage to fit), a deflated zip member that expands a
+its storage, a deflated zip member that expands a
 thousandfold.  This module judges such a file from its bytes alone, without building any of its
 objects:
 
@@ -83,7 +83,7 @@ def _why(name: str) -> str:
     """Why calling global ``name`` is refused."""
     if name == "builtins.bytearray" or name.startswith("torch."):
         return "which allocates a size the file merely names (DeepSpeed's checkpoints never call it)"
-    return "which DeepSpeed's checkpoints do not hold"
+    return "which is not among the classes these files may hold"
 
 
 class Refused(ValueError):
@@ -303,7 +303,7 @@ class _Walk:
         if offset < 0 or span * storage.itemsize > storage.nbytes:
             raise Refused(
                 f"its pickle holds a tensor of size {tuple(size)} needing {span * storage.itemsize} bytes "
-                f"from a storage of {storage.nbytes} bytes (it would grow the storage to fit)"
+                f"from a storage of {storage.nbytes} bytes"
             )
 
     def persistent(self, pid: _Item) -> _Item:
