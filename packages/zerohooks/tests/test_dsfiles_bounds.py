@@ -250,13 +250,29 @@ def test_loss_scaler_attributes_are_checked() -> None:
     pickscan.check_loaded({"loss_scaler": scaler, "s": LossScaler(4)}, classes)
     back = torch.load(io.BytesIO(_saved({"ls": scaler})), weights_only=True, **_safe(classes))
     pickscan.check_loaded(back, classes)
+    limits = pickscan.Limits(max_bytes=1 << 20)
+
+    def scan(obj: Any) -> None:
+        data = _saved(obj)
+        pickscan.check_zip(io.BytesIO(data), len(data), limits, classes)
+
+    scan({"loss_scaler": scaler, "s": LossScaler(4)})
     scaler.injected = "x"
+    # refused from the pickle, before the object is built, and after loading too
+    with pytest.raises(pickscan.Refused, match=r"DynamicLossScaler an attribute 'injected' it does not have"):
+        scan({"loss_scaler": scaler})
     with pytest.raises(pickscan.Refused, match=r"DynamicLossScaler with an attribute 'injected' it does not have"):
         pickscan.check_loaded({"loss_scaler": scaler}, classes)
     del scaler.injected
     scaler.cur_scale = "65536"
+    with pytest.raises(pickscan.Refused, match=r"'cur_scale' that is a builtins.str, not int/float"):
+        scan({"loss_scaler": scaler})
     with pytest.raises(pickscan.Refused, match=r"'cur_scale' is a builtins.str, not int/float"):
         pickscan.check_loaded({"loss_scaler": scaler}, classes)
+    # the attack is live: DeepSpeed's own scaler then fails at its next use with a TypeError
+    with pytest.raises(TypeError):
+        scaler.update_scale(False)
+        scaler.cur_scale * 2.0 + 1
 
 
 def _safe(classes: list[Any]) -> dict[str, Any]:
@@ -362,7 +378,7 @@ def _bombs(tmp: str, dtype: str) -> None:
 
             _replace(path, change)
 
-        attack("loss scaler", loss_scaler, inject, "'cur_scale' is a builtins.str", readers=(1,))
+        attack("loss scaler", loss_scaler, inject, "'cur_scale' that is a builtins.str", readers=(1,))
     # files DeepSpeed never reads are never opened: a FIFO and a bomb named junk.pt
     if rank == 0:
         os.mkfifo(os.path.join(folder, "fifo.pt"))

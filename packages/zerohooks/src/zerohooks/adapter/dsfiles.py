@@ -211,10 +211,6 @@ def _limits(max_bytes: int) -> pickscan.Limits:
     return pickscan.Limits(max_bytes=max_bytes)
 
 
-def _names(allowed: list[Any]) -> list[str]:
-    return [f"{c.__module__}.{c.__qualname__}" for c in allowed]
-
-
 def _accepted(limits: pickscan.Limits) -> str:
     return (
         f"accepted: a regular torch.save zip file of at most {limits.max_bytes / (1 << 20):.1f} MiB "
@@ -231,7 +227,7 @@ def _bounded(path: str, limits: pickscan.Limits, allowed: list[Any]) -> int:
     fd, st = pickscan.open_regular(path)
     try:
         with os.fdopen(os.dup(fd), "rb") as f:
-            pickscan.check_zip(f, st.st_size, limits, _names(allowed))
+            pickscan.check_zip(f, st.st_size, limits, allowed)
     except BaseException:
         os.close(fd)
         raise

@@ -135,10 +135,10 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.2f} MiB"
 
 
-def check_zip(f: IO[bytes], size: int, limits: Limits, calls: Iterable[str] = ()) -> dict[str, int]:
+def check_zip(f: IO[bytes], size: int, limits: Limits, classes: Iterable[Any] = ()) -> dict[str, int]:
     """Check the zip directory of the open file ``f`` (``size`` bytes) and walk its ``data.pkl``
-    (:func:`check_pickle`, ``calls``: the allowed classes it may build); the expanded size of each
-    storage record, by key."""
+    (:func:`check_pickle`, ``classes``: the allowed classes it may build); the expanded size of
+    each storage record, by key."""
     if size > limits.max_bytes:
         raise Refused(f"it is {_mib(size)}, over the {_mib(limits.max_bytes)} this engine's checkpoint file may be")
     try:
@@ -173,7 +173,7 @@ def check_zip(f: IO[bytes], size: int, limits: Limits, calls: Iterable[str] = ()
             data = z.read(pkl)
         except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
             raise Refused(f"its data.pkl cannot be read ({e})") from None
-    check_pickle(data, records, limits, calls)
+    check_pickle(data, records, limits, classes)
     return records
 
 
@@ -181,12 +181,16 @@ class _Item:
     """What the shadow stack knows of one object: its nesting depth, its item count, and a small
     value (a literal, a tuple of known values, a global's name, a storage's size) or ``...`` (unknown)."""
 
-    __slots__ = ("count", "depth", "value")
+    __slots__ = ("cls", "count", "depth", "fields", "value")
 
     def __init__(self, depth: int = 0, value: Any = ...) -> None:
         self.depth = depth
         self.count = 0
         self.value = value
+        self.cls: str | None = None
+        """The allowed class this item is an instance of (made by NEWOBJ)."""
+        self.fields: dict[str, _Item] | None = None
+        """A small dict's string keys and their values (to check an object's state)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,9 +237,10 @@ def _itemsize(name: str) -> int:
 class _Walk:
     """One pass over a pickle's opcodes (see :func:`check_pickle`)."""
 
-    def __init__(self, records: dict[str, int], limits: Limits, calls: Iterable[str]) -> None:
+    def __init__(self, records: dict[str, int], limits: Limits, classes: Iterable[Any]) -> None:
         self.records, self.limits = records, limits
-        self.calls = _CALLS | frozenset(calls)
+        self.classes = {_qualname(c): c for c in classes if isinstance(c, type)}
+        self.calls = _CALLS | frozenset(_qualname(c) if isinstance(c, type) else str(c) for c in classes)
         self.stack: list[_Item] = []
         self.memo: dict[int, _Item] = {}
 
@@ -367,6 +372,8 @@ class _Walk:
             st.append(_Item(0, _global(module, attr)))
         elif name in ("EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET"):
             st.append(_Item(1))
+            if name == "EMPTY_DICT":
+                st[-1].fields = {}
         elif name == "EMPTY_TUPLE":
             st.append(_Item(1, ()))
         elif name in ("TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"):
@@ -379,12 +386,19 @@ class _Walk:
         elif name == "APPEND":
             self.add([self.pop()], 1)
         elif name == "SETITEM":
-            self.add([self.pop(), self.pop()], 1)
+            value, key = self.pop(), self.pop()
+            self.keys([key, value])
+            self.add([key, value], 1)
         elif name in ("APPENDS", "SETITEMS", "ADDITEMS"):
             items = self.pop_mark()
+            if name == "SETITEMS":
+                self.keys(items)
             self.add(items, len(items) // 2 if name == "SETITEMS" else len(items))
         elif name == "BUILD":
-            self.add([self.pop()], 0)
+            state = self.pop()
+            if st and st[-1] is not _MARK and st[-1].cls is not None:
+                self.state(st[-1].cls, state)
+            self.add([state], 0)
         elif name == "REDUCE":
             args = self.pop()
             st.append(self.call(self.pop(), args))
@@ -417,14 +431,75 @@ class _Walk:
         name = cls.value.name if isinstance(cls.value, _Global) else None
         if name is None or name not in self.calls or name in _CALLS:
             raise Refused(f"its pickle creates an instance of {name or 'an unnamed class'}, {_why(name or '')}")
-        return _Item(1 + max(args.depth, kwargs.depth))
+        item = _Item(1 + max(args.depth, kwargs.depth))
+        item.cls = name
+        return item
+
+    def keys(self, items: list[_Item]) -> None:
+        """Record a dict's string keys and values (SETITEM/SETITEMS onto the top of the stack)."""
+        if not self.stack or self.stack[-1] is _MARK or self.stack[-1].fields is None:
+            return
+        fields = self.stack[-1].fields
+        for key, value in zip(items[::2], items[1::2], strict=False):
+            if not isinstance(key.value, str) or len(fields) >= 256:
+                self.stack[-1].fields = None
+                return
+            fields[key.value] = value
+
+    def state(self, name: str, state: _Item) -> None:
+        """An allowed class's state (BUILD) must have the attributes and types such an object has
+        (:func:`schema`), checked from the pickle before the object is built."""
+        cls = self.classes.get(name)
+        expected = schema(cls) if cls is not None else None
+        if cls is None or expected is None or isinstance(cls, enum.EnumMeta):
+            return
+        fields = state.fields
+        if fields is None:
+            raise Refused(f"its pickle gives a {name} a state that is not a dict of named attributes")
+        for key, value in fields.items():
+            kinds = expected.get(key)
+            if kinds is None:
+                raise Refused(
+                    f"its pickle gives a {name} an attribute {key!r} it does not have "
+                    f"(its attributes: {', '.join(sorted(expected))})"
+                )
+            found = _kind(value)
+            if found is None or not issubclass(found, kinds) or (found is bool and bool not in kinds):
+                shown = "an object" if found is None else f"a {found.__module__}.{found.__qualname__}"
+                raise Refused(
+                    f"its pickle gives a {name} an attribute {key!r} that is {shown}, not "
+                    f"{'/'.join(k.__name__ for k in kinds)}"
+                )
+        missing = sorted(set(expected) - set(fields))
+        if missing:
+            raise Refused(f"its pickle gives a {name} no attribute(s) {', '.join(missing)}")
 
 
-def check_pickle(data: bytes, records: dict[str, int], limits: Limits, calls: Iterable[str] = ()) -> None:
+def check_pickle(data: bytes, records: dict[str, int], limits: Limits, classes: Iterable[Any] = ()) -> None:
     """Walk the pickle ``data`` (a torch ``data.pkl``) without building its objects; ``records``
-    are the expanded sizes of the file's storage records by key, ``calls`` the names of the
-    classes (beyond torch's rebuilds) it may build.  :class:`Refused` with what was found."""
-    _Walk(records, limits, calls).run(data)
+    are the expanded sizes of the file's storage records by key, ``classes`` the classes (or
+    their dotted names) beyond torch's rebuilds it may build, whose instances' state is checked
+    against :func:`schema`.  :class:`Refused` with what was found."""
+    if not _SCHEMAS:
+        _known_schemas()
+    _Walk(records, limits, classes).run(data)
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _kind(item: _Item) -> type | None:
+    """The type of the object ``item`` stands for, where the pickle says it (a literal, a dtype
+    or another global of torch's); None for anything else."""
+    value = item.value
+    if isinstance(value, _Global):
+        module, _, attr = value.name.rpartition(".")
+        found = getattr(torch, attr, None) if module == "torch" else None
+        return type(found) if isinstance(found, (torch.dtype, torch.device)) else None
+    if value is ... or isinstance(value, (tuple, _Storage)) or item.depth > 0:
+        return None
+    return type(value)
 
 
 # ---------------------------------------------------------------------------- loaded objects
