@@ -222,7 +222,10 @@ def test_deflated_storage_and_file_size_are_capped(tmp_path) -> None:
     # stored members count too: a file, or members, larger than the engine's cap are refused
     stored = str(tmp_path / "stored.pt")
     torch.save({"exp_avg": torch.zeros(2 << 20)}, stored)
-    with open(stored, "rb") as f, pytest.raises(pickscan.Refused, match=r"it is 8\.\d+ MiB, over the 4\.00 MiB"):
+    with (
+        open(stored, "rb") as f,
+        pytest.raises(pickscan.Refused, match=r"it is 8\.\d+ MiB, over the 4\.00 MiB"),
+    ):
         pickscan.check_zip(f, os.path.getsize(stored), pickscan.Limits(max_bytes=4 << 20))
     assert time.perf_counter() - start < 5
     assert _maxrss() - before < MEMORY_SLACK
@@ -246,7 +249,9 @@ def test_loss_scaler_attributes_are_checked() -> None:
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 
     classes = [DynamicLossScaler, LossScaler]
-    scaler = DynamicLossScaler(init_scale=2**16, scale_window=1000, min_scale=1, delayed_shift=2, consecutive_hysteresis=False)
+    scaler = DynamicLossScaler(
+        init_scale=2**16, scale_window=1000, min_scale=1, delayed_shift=2, consecutive_hysteresis=False
+    )
     pickscan.check_loaded({"loss_scaler": scaler, "s": LossScaler(4)}, classes)
     back = torch.load(io.BytesIO(_saved({"ls": scaler})), weights_only=True, **_safe(classes))
     pickscan.check_loaded(back, classes)
@@ -261,7 +266,9 @@ def test_loss_scaler_attributes_are_checked() -> None:
     # refused from the pickle, before the object is built, and after loading too
     with pytest.raises(pickscan.Refused, match=r"DynamicLossScaler an attribute 'injected' it does not have"):
         scan({"loss_scaler": scaler})
-    with pytest.raises(pickscan.Refused, match=r"DynamicLossScaler with an attribute 'injected' it does not have"):
+    with pytest.raises(
+        pickscan.Refused, match=r"DynamicLossScaler with an attribute 'injected' it does not have"
+    ):
         pickscan.check_loaded({"loss_scaler": scaler}, classes)
     del scaler.injected
     scaler.cur_scale = "65536"
@@ -332,7 +339,7 @@ def _bombs(tmp: str, dtype: str) -> None:
             forge(path)
         torch.distributed.barrier()
         who = "rank 1" if readers == (1,) else f"rank {rank}"
-        message, took, _ = _refused(fresh, root, path, who, *needles)
+        _, took, _ = _refused(fresh, root, path, who, *needles)
         timings[name] = took
         torch.distributed.barrier()
         if rank == 0:

@@ -157,20 +157,20 @@ def test_convert_state_rewrites_a_trusted_old_file(tmp_path, capsys) -> None:
     _write(path, _torch_bytes(old))
     with pytest.raises(CheckpointStateError, match=r"python -m zerohooks.convert_state"):
         statefile.read_state(path, 0)
-    assert convert_main(['--trust', path]) == 0
+    assert convert_main(["--trust", path]) == 0
     assert "converted" in capsys.readouterr().out
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # format 2 now: no warning about a missing checksum
         state = statefile.read_state(path, 0)["states"]["p"]
     assert state["dtype"] == "torch.bfloat16" and state["size"] == (2, 3) and state["count"] == 7
     assert torch.equal(state["array"], torch.arange(3.0)) and torch.equal(state["t"], torch.arange(6.0))
-    assert convert_main(['--trust', path]) == 0
+    assert convert_main(["--trust", path]) == 0
     assert "left as it is" in capsys.readouterr().out
     # an object without a plain form: named, and the file is left untouched
     _write(path, _torch_bytes(_payload(statefile.LEGACY_FORMAT, frac=Fraction(1, 3))))
     with open(path, "rb") as f:
         before = f.read()
-    assert convert_main(['--trust', path]) == 1
+    assert convert_main(["--trust", path]) == 1
     assert "fractions.Fraction" in capsys.readouterr().err
     with open(path, "rb") as f:
         assert f.read() == before
@@ -180,7 +180,10 @@ def test_convert_state_command_line(tmp_path) -> None:
     path = str(tmp_path / "zerohooks_state_rank00000.pt")
     _write(path, _torch_bytes(_payload(statefile.LEGACY_FORMAT)))
     done = subprocess.run(
-        [sys.executable, "-m", "zerohooks.convert_state", "--trust", path], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "zerohooks.convert_state", "--trust", path],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr
     assert statefile.read_state(path, 0)["format"] == statefile.FORMAT

@@ -92,6 +92,15 @@ SURFACE: tuple[Internal, ...] = (
     # engine's checkpoint engine and the DeepSpeed classes its files may hold; without them the
     # load falls back to torch's own weights-only reader, so none is required when an engine is built
     *_entries("zerohooks", ENGINE, _ALL, optional="checkpoint_engine"),
+    # ... and only the files DeepSpeed will read for this rank (dsfiles._files reproduces its
+    # names: bf16_ prefix, ZeRO optimizer, elastic checkpoints, model-parallel rank, MoE files);
+    # without them every name pattern DeepSpeed may read is assumed
+    *_entries(
+        "zerohooks",
+        ENGINE,
+        _ALL,
+        optional="bfloat16_enabled zero_optimization zero_elastic_checkpoint checkpoint_mp_rank has_moe_layers",
+    ),
     *_entries(
         "zerohooks",
         "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine.TorchCheckpointEngine",

@@ -155,11 +155,11 @@ def _files(folder: str, engine: Any = None, rank: int = 0) -> list[str]:
     are read as plain data by :mod:`zerohooks.adapter.statefile`)."""
     if engine is None:
         found: list[str] = []
-        for root, dirs, names in os.walk(folder):
+        for root, dirs, files in os.walk(folder):
             dirs.sort()
             found.extend(
                 os.path.join(root, n)
-                for n in sorted(names)
+                for n in sorted(files)
                 if n.endswith(".pt") and not n.startswith("zerohooks_state")
             )
         return found
@@ -168,7 +168,11 @@ def _files(folder: str, engine: Any = None, rank: int = 0) -> list[str]:
     stage3 = bool(_call(engine, "zero_optimization_partition_weights", False))
     dp = _dp_rank(engine, rank)
     mp = int(getattr(engine, "checkpoint_mp_rank", 0) or 0)
-    patterns = [f"zero_pp_rank_{0 if universal else dp}_mp_rank_*_model_states.pt" if stage3 else "mp_rank_*_model_states.pt"]
+    patterns = [
+        f"zero_pp_rank_{0 if universal else dp}_mp_rank_*_model_states.pt"
+        if stage3
+        else "mp_rank_*_model_states.pt"
+    ]
     names: list[str] = []
     if _call(engine, "zero_optimization", True):
         prefix = "bf16_" if _call(engine, "bfloat16_enabled", False) else ""
@@ -203,7 +207,7 @@ def limit(att: Attachment) -> int:
     if module is None:
         return SLACK_BYTES
     params = sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters())
-    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+    buffers = sum(int(b.numel()) * int(b.element_size()) for b in module.buffers())
     return BYTES_PER_PARAM * params + 2 * buffers + SLACK_BYTES
 
 
@@ -314,7 +318,9 @@ def _weights_only_load(allowed: list[Any], rank: int, mmap: bool, max_bytes: int
         try:
             pickscan.check_loaded(out, classes, limits.max_depth)
         except pickscan.Refused as e:
-            raise CheckpointStateError(f"{_before(where, rank, f'it holds {e}', limits)}. {TRUST_HINT}") from None
+            raise CheckpointStateError(
+                f"{_before(where, rank, f'it holds {e}', limits)}. {TRUST_HINT}"
+            ) from None
         return out
 
     return load

@@ -39,6 +39,8 @@ from typing import IO, Any
 
 import torch
 
+from zerohooks.adapter.schemas import Refused, check_loaded, known_schemas, schema
+
 __all__ = [
     "MAX_RATIO",
     "Limits",
@@ -75,7 +77,9 @@ are in the pickle): they may be called.  The others (``bytearray``, legacy stora
 constructors, sparse, nested, quantized and wrapper rebuilds) are refused: DeepSpeed's files
 never call them and several allocate a size the file merely names."""
 
-_REBUILDS = frozenset({"torch._utils._rebuild_tensor", "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3"})
+_REBUILDS = frozenset(
+    {"torch._utils._rebuild_tensor", "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3"}
+)
 """Dense tensor rebuilds: allowed when the view fits in its storage (checked)."""
 
 
@@ -84,11 +88,6 @@ def _why(name: str) -> str:
     if name == "builtins.bytearray" or name.startswith("torch."):
         return "which allocates a size the file merely names (DeepSpeed's checkpoints never call it)"
     return "which is not among the classes these files may hold"
-
-
-class Refused(ValueError):
-    """A file refused before it was unpickled (or an object after): the message says what was
-    found, the caller says which file."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +115,9 @@ def open_regular(path: str) -> tuple[int, os.stat_result]:
     except OSError as e:
         raise Refused(f"it cannot be read ({e.strerror})") from None
     if stat.S_ISLNK(before.st_mode):
-        raise Refused(f"it is a symbolic link (to {os.readlink(path)!r}); links are not followed in checkpoint folders")
+        raise Refused(
+            f"it is a symbolic link (to {os.readlink(path)!r}); links are not followed in checkpoint folders"
+        )
     if not stat.S_ISREG(before.st_mode):
         raise Refused(f"it is not a regular file (mode {stat.filemode(before.st_mode)})")
     flags = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -140,7 +141,9 @@ def check_zip(f: IO[bytes], size: int, limits: Limits, classes: Iterable[Any] = 
     (:func:`check_pickle`, ``classes``: the allowed classes it may build); the expanded size of
     each storage record, by key."""
     if size > limits.max_bytes:
-        raise Refused(f"it is {_mib(size)}, over the {_mib(limits.max_bytes)} this engine's checkpoint file may be")
+        raise Refused(
+            f"it is {_mib(size)}, over the {_mib(limits.max_bytes)} this engine's checkpoint file may be"
+        )
     try:
         z = zipfile.ZipFile(f)
     except (zipfile.BadZipFile, OSError, ValueError):
@@ -149,7 +152,10 @@ def check_zip(f: IO[bytes], size: int, limits: Limits, classes: Iterable[Any] = 
         total, pkl, records = 0, None, {}
         for info in z.infolist():
             total += info.file_size
-            if info.compress_type != zipfile.ZIP_STORED and info.file_size > MAX_RATIO * info.compress_size + 4096:
+            if (
+                info.compress_type != zipfile.ZIP_STORED
+                and info.file_size > MAX_RATIO * info.compress_size + 4096
+            ):
                 raise Refused(
                     f"its member {info.filename!r} is compressed {_mib(info.compress_size)} -> "
                     f"{_mib(info.file_size)} (torch.save stores members uncompressed; at most "
@@ -300,9 +306,15 @@ class _Walk:
         """A dense tensor ``name(storage, offset, size, stride, ...)`` must fit in its storage."""
         ok = isinstance(args, tuple) and len(args) >= 4 and isinstance(args[0], _Storage)
         ok = ok and isinstance(args[1], int) and isinstance(args[2], tuple) and isinstance(args[3], tuple)
-        ok = ok and all(isinstance(x, int) and x >= 0 for x in (*args[2], *args[3])) and len(args[2]) == len(args[3])
+        ok = (
+            ok
+            and all(isinstance(x, int) and x >= 0 for x in (*args[2], *args[3]))
+            and len(args[2]) == len(args[3])
+        )
         if not ok:
-            raise Refused(f"its pickle calls {name} with arguments that cannot be checked against the storage")
+            raise Refused(
+                f"its pickle calls {name} with arguments that cannot be checked against the storage"
+            )
         storage, offset, size, stride = args[0], args[1], args[2], args[3]
         span = 0 if 0 in size else offset + 1 + sum((s - 1) * st for s, st in zip(size, stride, strict=True))
         if offset < 0 or span * storage.itemsize > storage.nbytes:
@@ -330,7 +342,9 @@ class _Walk:
     def literal(self, name: str, arg: Any) -> _Item:
         if isinstance(arg, (str, bytes)):
             if len(arg) > self.limits.max_string:
-                raise Refused(f"its pickle holds a {type(arg).__name__} of {_mib(len(arg))}, over {_mib(self.limits.max_string)}")
+                raise Refused(
+                    f"its pickle holds a {type(arg).__name__} of {_mib(len(arg))}, over {_mib(self.limits.max_string)}"
+                )
             return _Item(0, arg if len(arg) <= _KEEP else ...)
         if name in ("NEWTRUE", "NEWFALSE"):
             return _Item(0, name == "NEWTRUE")
@@ -350,14 +364,16 @@ class _Walk:
             raise Refused(f"its pickle is malformed ({type(e).__name__}: {e})") from None
         raise Refused("its pickle has no STOP")
 
-    def step(self, name: str, arg: Any) -> bool:  # noqa: C901 (one branch per opcode family)
+    def step(self, name: str, arg: Any) -> bool:
         st = self.stack
         if name == "STOP":
             return True
         if name in ("PROTO", "FRAME"):
             return False
         if name in ("BYTEARRAY8", "NEXT_BUFFER", "READONLY_BUFFER"):
-            raise Refused("its pickle holds a bytearray or an out-of-band buffer (DeepSpeed's checkpoints never do)")
+            raise Refused(
+                "its pickle holds a bytearray or an out-of-band buffer (DeepSpeed's checkpoints never do)"
+            )
         if name in ("EXT1", "EXT2", "EXT4", "PERSID", "INST", "OBJ"):
             raise Refused(f"its pickle uses the {name} opcode, which torch.save never writes")
         if name == "MARK":
@@ -430,7 +446,9 @@ class _Walk:
     def new(self, cls: _Item, args: _Item, kwargs: _Item) -> _Item:
         name = cls.value.name if isinstance(cls.value, _Global) else None
         if name is None or name not in self.calls or name in _CALLS:
-            raise Refused(f"its pickle creates an instance of {name or 'an unnamed class'}, {_why(name or '')}")
+            raise Refused(
+                f"its pickle creates an instance of {name or 'an unnamed class'}, {_why(name or '')}"
+            )
         item = _Item(1 + max(args.depth, kwargs.depth))
         item.cls = name
         return item
@@ -480,8 +498,7 @@ def check_pickle(data: bytes, records: dict[str, int], limits: Limits, classes: 
     are the expanded sizes of the file's storage records by key, ``classes`` the classes (or
     their dotted names) beyond torch's rebuilds it may build, whose instances' state is checked
     against :func:`schema`.  :class:`Refused` with what was found."""
-    if not _SCHEMAS:
-        _known_schemas()
+    known_schemas()
     _Walk(records, limits, classes).run(data)
 
 
@@ -500,129 +517,3 @@ def _kind(item: _Item) -> type | None:
     if value is ... or isinstance(value, (tuple, _Storage)) or item.depth > 0:
         return None
     return type(value)
-
-
-# ---------------------------------------------------------------------------- loaded objects
-
-_SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.Size)
-
-
-def schema(cls: type) -> dict[str, tuple[type, ...]] | None:
-    """The attributes an object of ``cls`` has and their accepted types, from an instance made
-    with its constructor's defaults (DeepSpeed's ``LossScaler`` and ``DynamicLossScaler`` have
-    them); None where none can be made (then only the values' types are checked)."""
-    if cls in _SCHEMAS:
-        return _SCHEMAS[cls]
-    found: dict[str, tuple[type, ...]] | None = None
-    if not issubclass(cls, enum.Enum) and not dataclasses.is_dataclass(cls):
-        try:
-            fields = dict(vars(cls()))
-        except Exception:
-            fields = None
-        if fields is not None:
-            found = {k: _kinds(v) for k, v in fields.items()}
-    _SCHEMAS[cls] = found
-    return found
-
-
-def _kinds(value: Any) -> tuple[type, ...]:
-    if isinstance(value, bool):
-        return (bool,)
-    if isinstance(value, (int, float)):
-        return (int, float)
-    if value is None:
-        return _SCALARS
-    return (type(value),)
-
-
-_SCHEMAS: dict[type, dict[str, tuple[type, ...]] | None] = {}
-
-
-def _known_schemas() -> None:
-    """DeepSpeed's ``DynamicLossScaler`` has no default ``init_scale``: its schema by hand
-    (DeepSpeed 0.19.8, ``runtime/fp16/loss_scaler.py``)."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
-
-    num, flag = (int, float), (bool,)
-    _SCHEMAS[DynamicLossScaler] = {
-        "cur_scale": num,
-        "cur_iter": (int,),
-        "last_overflow_iter": (int,),
-        "scale_factor": num,
-        "scale_window": (int,),
-        "min_scale": num,
-        "delayed_shift": (int,),
-        "cur_hysteresis": (int,),
-        "consecutive_hysteresis": flag,
-        "raise_error_at_min_scale": flag,
-        "dynamic": flag,
-        "dtype": (torch.dtype,),
-    }
-
-
-def _fields(obj: Any) -> dict[str, Any]:
-    out = dict(getattr(obj, "__dict__", {}))
-    for klass in type(obj).__mro__:
-        for slot in getattr(klass, "__slots__", ()):
-            if slot not in ("__dict__", "__weakref__") and hasattr(obj, slot):
-                out[slot] = getattr(obj, slot)
-    return out
-
-
-def _check_object(obj: Any, classes: tuple[type, ...]) -> str | None:
-    """What is wrong with ``obj``, an instance of an allowed class, or None."""
-    cls = type(obj)
-    name = f"{cls.__module__}.{cls.__qualname__}"
-    if isinstance(obj, enum.Enum):
-        return None
-    fields = _fields(obj)
-    expected = schema(cls)
-    if dataclasses.is_dataclass(cls) and expected is None:
-        expected = {f.name: (int, float) if f.type in ("int", int) else _SCALARS for f in dataclasses.fields(cls)}
-    for key, value in fields.items():
-        if not isinstance(key, str) or not key.isidentifier():
-            return f"a {name} with an attribute named {key!r}"
-        kinds = expected.get(key) if expected is not None else _SCALARS + (torch.Tensor,) + classes
-        if kinds is None:
-            accepted = ", ".join(sorted(expected or {}))
-            return f"a {name} with an attribute {key!r} it does not have (its attributes: {accepted})"
-        if isinstance(value, bool) and bool not in kinds:
-            return f"a {name} whose {key!r} is a bool, not {'/'.join(k.__name__ for k in kinds)}"
-        if not isinstance(value, kinds):
-            return (
-                f"a {name} whose {key!r} is a {type(value).__module__}.{type(value).__qualname__}, "
-                f"not {'/'.join(k.__name__ for k in kinds)}"
-            )
-    if expected is not None:
-        missing = sorted(set(expected) - set(fields))
-        if missing:
-            return f"a {name} without its attribute(s) {', '.join(missing)}"
-    return None
-
-
-def check_loaded(obj: Any, classes: Iterable[type], max_depth: int = 64) -> None:
-    """Walk a loaded object once (iteratively, each object once): containers nested deeper than
-    ``max_depth``, and instances of ``classes`` whose attributes are not what such an object has
-    (an injected attribute, a field of the wrong type), are :class:`Refused` naming them."""
-    allowed = tuple(classes)
-    if not _SCHEMAS:
-        _known_schemas()
-    seen: set[int] = set()
-    todo: list[tuple[Any, int, str]] = [(obj, 0, "the file's object")]
-    while todo:
-        item, depth, where = todo.pop()
-        if isinstance(item, (torch.Tensor, *_SCALARS)) or id(item) in seen:
-            continue
-        seen.add(id(item))
-        if depth > max_depth:
-            raise Refused(f"containers nested deeper than {max_depth} levels at {where}")
-        if isinstance(item, dict):
-            todo.extend((v, depth + 1, f"{where}[{k!r}]") for k, v in item.items())
-            todo.extend((k, depth + 1, f"a key of {where}") for k in item if not isinstance(k, _SCALARS))
-        elif isinstance(item, (list, tuple, set, frozenset)):
-            todo.extend((v, depth + 1, f"{where}[{i}]") for i, v in enumerate(item))
-        elif allowed and isinstance(item, allowed):
-            bad = _check_object(item, allowed)
-            if bad:
-                raise Refused(f"{bad}, at {where}")
-            todo.extend((v, depth + 1, f"{where}.{k}") for k, v in _fields(item).items())
