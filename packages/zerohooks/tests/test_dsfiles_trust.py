@@ -86,8 +86,9 @@ def _forged_files(tmp: str, stage: int) -> None:
             shutil.copy(path, path + ".orig")
             _forge(path, marker, optim)
         torch.distributed.barrier()
-        # every rank refuses, naming the forged file and the rank that read it (each scans it)
-        _refused(fresh, root, marker, path, f"rank {rank}")
+        # every rank refuses, naming the forged file and the rank that reads it: the model file
+        # is scanned by each rank, rank 1's optimizer file by rank 1 only (rank 0 never reads it)
+        _refused(fresh, root, marker, path, "rank 1" if optim else f"rank {rank}")
         torch.distributed.barrier()
         if rank == 0:
             os.replace(path + ".orig", path)
@@ -193,8 +194,8 @@ def _every_kind(tmp: str, which: str) -> None:
     reads = []
     make = dsfiles._weights_only_load
 
-    def counted(allowed: list[Any], rank: int, mmap: bool) -> Any:
-        load = make(allowed, rank, mmap)
+    def counted(allowed: list[Any], rank: int, mmap: bool, *limit: int) -> Any:
+        load = make(allowed, rank, mmap, *limit)
 
         def spy(path: str, map_location: Any = None) -> Any:
             reads.append(path)

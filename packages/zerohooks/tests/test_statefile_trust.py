@@ -76,7 +76,8 @@ def test_forged_pickle_is_refused_and_never_runs(tmp_path, fmt: int) -> None:
     assert path in message and "rank 0" in message and "io.open" in message, message
     assert "weights_only=False" not in message  # torch's advice to load it anyway is not passed on
     if fmt == statefile.LEGACY_FORMAT:
-        assert f"python -m zerohooks.convert_state {path}" in message, message
+        assert f"python -m zerohooks.convert_state --trust {path}" in message, message
+        assert "runs any code" in message, message
     else:
         assert "forged" in message and "convert_state" not in message, message
     assert not os.path.exists(marker)
@@ -156,20 +157,20 @@ def test_convert_state_rewrites_a_trusted_old_file(tmp_path, capsys) -> None:
     _write(path, _torch_bytes(old))
     with pytest.raises(CheckpointStateError, match=r"python -m zerohooks.convert_state"):
         statefile.read_state(path, 0)
-    assert convert_main([path]) == 0
+    assert convert_main(["--trust", path]) == 0
     assert "converted" in capsys.readouterr().out
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # format 2 now: no warning about a missing checksum
         state = statefile.read_state(path, 0)["states"]["p"]
     assert state["dtype"] == "torch.bfloat16" and state["size"] == (2, 3) and state["count"] == 7
     assert torch.equal(state["array"], torch.arange(3.0)) and torch.equal(state["t"], torch.arange(6.0))
-    assert convert_main([path]) == 0
+    assert convert_main(["--trust", path]) == 0
     assert "left as it is" in capsys.readouterr().out
     # an object without a plain form: named, and the file is left untouched
     _write(path, _torch_bytes(_payload(statefile.LEGACY_FORMAT, frac=Fraction(1, 3))))
     with open(path, "rb") as f:
         before = f.read()
-    assert convert_main([path]) == 1
+    assert convert_main(["--trust", path]) == 1
     assert "fractions.Fraction" in capsys.readouterr().err
     with open(path, "rb") as f:
         assert f.read() == before
@@ -179,7 +180,48 @@ def test_convert_state_command_line(tmp_path) -> None:
     path = str(tmp_path / "zerohooks_state_rank00000.pt")
     _write(path, _torch_bytes(_payload(statefile.LEGACY_FORMAT)))
     done = subprocess.run(
-        [sys.executable, "-m", "zerohooks.convert_state", path], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "zerohooks.convert_state", "--trust", path],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr
     assert statefile.read_state(path, 0)["format"] == statefile.FORMAT
+
+
+@pytest.mark.parametrize("fmt", [statefile.FORMAT, statefile.LEGACY_FORMAT])
+def test_convert_state_refuses_without_trust_and_says_why(tmp_path, fmt: int) -> None:
+    """A forged state file (format 2 with a valid checksum, or format 1) whose pickle would create
+    a marker: without --trust the command loads nothing, exits 2 and says why; with --trust it
+    unpickles the file as documented, so the forgery runs (the flag is the user's word that they
+    made the file)."""
+    marker = str(tmp_path / "marker")
+    path = str(tmp_path / "zerohooks_state_rank00000.pt")
+    payload = _payload(fmt, evil=_Forged(marker))
+    _write(path, _forge(payload) if fmt == statefile.FORMAT else _torch_bytes(payload))
+    with open(path, "rb") as f:
+        before = f.read()
+    done = subprocess.run(
+        [sys.executable, "-m", "zerohooks.convert_state", path], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    assert "converted" not in done.stdout, done.stdout
+    for needle in (path, "--trust", "runs any code", "weights_only=False", "your own runs"):
+        assert needle in done.stderr, done.stderr
+    assert not os.path.exists(marker), "the forged pickle ran without --trust"
+    with open(path, "rb") as f:
+        assert f.read() == before  # nothing written
+    # the format-1 refusal on load points at the same command, --trust and its risk
+    if fmt == statefile.LEGACY_FORMAT:
+        with pytest.raises(CheckpointStateError, match=r"convert_state --trust .*runs any code"):
+            statefile.read_state(path, 0)
+    # with --trust the user vouches for the file: it is unpickled, so this forgery does run
+    # (and is then refused for holding no plain form, nothing written)
+    done = subprocess.run(
+        [sys.executable, "-m", "zerohooks.convert_state", "--trust", path],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert os.path.exists(marker), "--trust did not unpickle the file"
+    assert done.returncode == 1 and "not converted" in done.stderr, done.stderr

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m zerohooks.convert_state FILE [FILE ...]
+    python -m zerohooks.convert_state --trust FILE [FILE ...]
 
 Each ``FILE`` is a ``zerohooks_state_rank<R>.pt`` of a checkpoint folder.  A file zerohooks can
 already read with ``weights_only=True`` and a checksum (format 2, plain data) is left as it is.
@@ -14,7 +14,11 @@ names, ``torch.Size`` into a tuple, NumPy scalars and arrays into numbers and te
 object is an error naming it and nothing is written), then written in the current format in place
 (temporary file and rename, as checkpoints are written) and read back with ``weights_only=True``.
 
-Exit status: 0 when every file is current or was converted, 1 otherwise (each failure named).
+``--trust`` is required: it is the user's statement that they made these files themselves.
+Without it nothing is loaded or written; the command says why and exits with status 2.
+
+Exit status: 0 when every file is current or was converted, 1 otherwise (each failure named),
+2 without ``--trust`` or without a file.
 """
 
 from __future__ import annotations
@@ -84,12 +88,34 @@ def convert(path: str) -> str:
     return f"{path}: converted to plain data of format {statefile.FORMAT}"
 
 
+TRUST_FLAG = "--trust"
+"""The flag without which nothing is converted."""
+
+REFUSAL = (
+    "not converted: converting loads each file with torch.load(..., weights_only=False), which runs "
+    "any code the file's pickle holds (a forged file runs its author's code as you). Convert only "
+    "plugin-state files that your own runs wrote, in folders nobody else could write to, and say so "
+    "with --trust: `python -m zerohooks.convert_state --trust FILE [FILE ...]`. A file you did not "
+    "make yourself: do not convert it; resume from another checkpoint, or load weights only with "
+    "load_checkpoint(..., load_module_only=True)"
+)
+"""What the command says, on stderr, when called without ``--trust``."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line; returns the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or any(a in ("-h", "--help") for a in args):
         print(__doc__)
         return 0 if args else 2
+    trust = TRUST_FLAG in args
+    args = [a for a in args if a != TRUST_FLAG]
+    if not trust:
+        print(f"{', '.join(args) or 'no file'}: {REFUSAL}", file=sys.stderr)
+        return 2
+    if not args:
+        print(__doc__)
+        return 2
     status = 0
     for path in args:
         try:

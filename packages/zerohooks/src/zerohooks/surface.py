@@ -92,6 +92,15 @@ SURFACE: tuple[Internal, ...] = (
     # engine's checkpoint engine and the DeepSpeed classes its files may hold; without them the
     # load falls back to torch's own weights-only reader, so none is required when an engine is built
     *_entries("zerohooks", ENGINE, _ALL, optional="checkpoint_engine"),
+    # ... and only the files DeepSpeed will read for this rank (dsfiles._files reproduces its
+    # names: bf16_ prefix, ZeRO optimizer, elastic checkpoints, model-parallel rank, MoE files);
+    # without them every name pattern DeepSpeed may read is assumed
+    *_entries(
+        "zerohooks",
+        ENGINE,
+        _ALL,
+        optional="bfloat16_enabled zero_optimization zero_elastic_checkpoint checkpoint_mp_rank has_moe_layers",
+    ),
     # checkpoint saves create every file without following a link (adapter/ckptwrite.py): the
     # checkpoint engine's save (its zipfile_serialization read) and the recovery-script copy
     *_entries(
@@ -102,6 +111,10 @@ SURFACE: tuple[Internal, ...] = (
         optional="zipfile_serialization",
     ),
     *_entries("zerohooks", ENGINE, _ALL, optional_patch="_copy_recovery_script"),
+    # an optimizer DeepSpeed's ZeRO would refuse once the model is built is refused before
+    # (dsconfig.check_zero_optimizer), by DeepSpeed's own lists
+    *_entries("zerohooks", "deepspeed.runtime.config", (1, 2, 3), read="DEEPSPEED_OPTIMIZERS"),
+    *_entries("zerohooks", "deepspeed.runtime.zero.utils", (1, 2, 3), read="ZERO_SUPPORTED_OPTIMIZERS"),
     *_entries(
         "zerohooks", "deepspeed.runtime.fp16.loss_scaler", _ALL, optional="DynamicLossScaler LossScaler"
     ),

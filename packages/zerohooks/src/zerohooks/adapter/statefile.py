@@ -47,6 +47,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from zerohooks.adapter import pickscan
 from zerohooks.errors import CheckpointStateError
 
 __all__ = [
@@ -78,7 +79,7 @@ FORMAT = 2
 """The format written now: header with the payload's size and SHA-256."""
 LEGACY_FORMAT = 1
 """A bare ``torch.save`` of the payload dict, without checksum (read with a warning)."""
-CONVERT_COMMAND = "python -m zerohooks.convert_state"
+CONVERT_COMMAND = "python -m zerohooks.convert_state --trust"
 """The command that rewrites a trusted old state file as plain data (:mod:`zerohooks.convert_state`)."""
 _HEADER_MAX = 4096
 """A header line longer than this is damage, not a header."""
@@ -238,10 +239,14 @@ def _damaged(path: str, rank: int, why: str) -> CheckpointStateError:
     )
 
 
-def read_bytes(path: str, rank: int, limit: int | None = None, what: str | None = None) -> bytes:
+def read_bytes(
+    path: str, rank: int, limit: int | None = None, what: str | None = None, max_size: int | None = None
+) -> bytes:
     """The content of the regular file ``path`` (at most ``limit`` bytes), opened without
-    following a symbolic link; :class:`CheckpointStateError` naming the file (``what``, by default
-    rank ``rank``'s plugin-state file) when it is a link, not a regular file, or cannot be read."""
+    following a symbolic link and without blocking; :class:`CheckpointStateError` naming the file
+    (``what``, by default rank ``rank``'s plugin-state file) when it is a link, not a regular file
+    (a FIFO or a device is never read), larger than ``max_size`` bytes (checked with ``fstat``
+    before anything is read), or cannot be read."""
     what = what or f"the zerohooks plugin-state file of rank {rank}"
     flags = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
@@ -259,6 +264,10 @@ def read_bytes(path: str, rank: int, limit: int | None = None, what: str | None 
             raise CheckpointStateError(
                 f"{what}, {path!r}, is not a regular file (mode {stat.filemode(st.st_mode)}); zerohooks "
                 "reads only plain files in checkpoint folders"
+            )
+        if max_size is not None and st.st_size > max_size:
+            raise CheckpointStateError(
+                f"{what}, {path!r}, is {st.st_size} bytes, over the {max_size} accepted; it was not read"
             )
         with os.fdopen(fd, "rb", closefd=False) as f:
             return f.read() if limit is None else f.read(limit)
@@ -323,7 +332,22 @@ def refusal(text: str) -> str:
 
 def load_plain(body: bytes, path: str, rank: int, fmt: int) -> Any:
     """``torch.load(..., weights_only=True)`` of ``body`` (the payload of ``path``), checked to
-    be plain data: code, classes and other objects are refused without being run or built."""
+    be plain data: code, classes and other objects are refused without being run or built.
+
+    Before it is unpickled, ``body`` is checked without building any object
+    (:func:`zerohooks.adapter.pickscan.check_zip`): its zip members may not expand beyond its own
+    size (``torch.save`` stores them uncompressed), and its pickle may not call ``bytearray(n)``,
+    a legacy storage or tensor constructor, hold a string over 16 MiB, nest deeper than
+    :data:`_MAX_DEPTH` or view beyond a storage: the memory the load takes is bounded by the
+    file's size."""
+    try:
+        pickscan.check_zip(
+            io.BytesIO(body), len(body), pickscan.Limits(max_bytes=len(body), max_depth=_MAX_DEPTH + 2)
+        )
+    except pickscan.Refused as e:
+        if not body.startswith(_ZIP_MAGIC):
+            raise _damaged(path, rank, "its payload is not a torch.save zip file") from None
+        raise _foreign(path, rank, fmt, f"refused before it was unpickled: {e}") from None
     try:
         payload = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -347,9 +371,11 @@ def _foreign(path: str, rank: int, fmt: int, found: str) -> CheckpointStateError
     if fmt == LEGACY_FORMAT:
         return CheckpointStateError(
             f"{why} If this format-{LEGACY_FORMAT} file was written by your own run with an older zerohooks "
-            f"and nobody else could write to its folder, convert it with `{CONVERT_COMMAND} {path}` (this "
-            "runs the code the file holds: never convert a file you do not trust); else resume from "
-            "another checkpoint, or load weights only with load_checkpoint(..., load_module_only=True)"
+            f"and nobody else could write to its folder, convert it with `{CONVERT_COMMAND} {path}` "
+            "(--trust because converting unpickles the file, which runs any code it holds: a forged "
+            "file would run its author's code as you; never convert a file you did not make); else "
+            "resume from another checkpoint, or load weights only with "
+            "load_checkpoint(..., load_module_only=True)"
         )
     return CheckpointStateError(
         f"{why} zerohooks never writes such a file: it was replaced or forged. Resume from a checkpoint "
@@ -394,14 +420,15 @@ def _check_shape(path: str, rank: int, payload: Any, fmt: int) -> None:
             )
 
 
-def read_state(path: str, rank: int) -> dict[str, Any]:
-    """The payload dict of the state file ``path`` of rank ``rank``, checked and loaded as plain
-    data (``weights_only=True``).
+def read_state(path: str, rank: int, max_size: int | None = None) -> dict[str, Any]:
+    """The payload dict of the state file ``path`` of rank ``rank`` (refused unread when larger
+    than ``max_size`` bytes), checked and loaded as plain data (``weights_only=True``, after
+    :func:`load_plain`'s allocation-free check).
 
     Raises :class:`CheckpointStateError` naming the file and the rank for any damage or foreign
     content; a file of :data:`LEGACY_FORMAT` is read with a ``RuntimeWarning`` (its damage cannot
     be detected)."""
-    data = read_bytes(path, rank)
+    data = read_bytes(path, rank, max_size=max_size)
     legacy = data.startswith(_ZIP_MAGIC)
     fmt = LEGACY_FORMAT if legacy else FORMAT
     body = data if legacy else _checked_body(path, rank, data)
