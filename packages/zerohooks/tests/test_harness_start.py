@@ -1,0 +1,65 @@
+"""zerohooks.testing.run_distributed: a rank forked by the fork server behaves like a spawned one.
+
+What a rank must take from its caller at the moment of the call (not when the fork server
+started): the environment, stdout and stderr (pytest's capture files), the working folder; and
+what it must do when it ends: run its ``atexit`` handlers (zerohooks' exit guard, nvmeswap's
+swap-file cleanup).  Each start method runs the same checks."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from zerohooks.testing import MultiRankError, run_distributed
+
+
+def _probe(marker_dir: str) -> dict[str, str | None]:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    print(f"stdout of rank {rank}", flush=True)
+    print(f"stderr of rank {rank}", file=sys.stderr, flush=True)
+    atexit.register(lambda: Path(marker_dir, f"atexit{rank}").write_text("ran"))
+    return {"env": os.environ.get("ZH_HARNESS_PROBE"), "cwd": os.getcwd()}
+
+
+def _die() -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os._exit(3)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_ranks_take_the_callers_env_output_and_run_exit_handlers(
+    method: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("ZEROHOOKS_TEST_START_METHOD", method)
+    for value in ("first", "second"):  # the second call must see the changed value too
+        monkeypatch.setenv("ZH_HARNESS_PROBE", value)
+        out = run_distributed(_probe, 2, args=(str(tmp_path),))
+        assert [r["env"] for r in out] == [value, value]
+        assert {r["cwd"] for r in out} == {os.getcwd()}
+    captured = capfd.readouterr()
+    for rank in (0, 1):
+        assert captured.out.count(f"stdout of rank {rank}") == 2, captured.out
+        assert captured.err.count(f"stderr of rank {rank}") == 2, captured.err
+        assert (tmp_path / f"atexit{rank}").read_text() == "ran"
+
+
+@pytest.mark.multirank
+def test_a_rank_that_dies_is_named_with_its_exit_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ZEROHOOKS_TEST_START_METHOD", "forkserver")
+    with pytest.raises(MultiRankError, match=r"rank\(s\) \[1\] died without reporting \(exit codes \[3\]\)"):
+        run_distributed(_die, 2, timeout=60)
+
+
+def test_an_unknown_start_method_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ZEROHOOKS_TEST_START_METHOD", "fork")
+    with pytest.raises(ValueError, match="accepted values are forkserver, spawn"):
+        run_distributed(_die, 2)
