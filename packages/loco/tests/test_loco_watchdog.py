@@ -65,3 +65,51 @@ def test_frozen_rank_is_named_by_loco_collective(stage: int) -> None:
     assert message.startswith("rank 0: zerohooks collective loco "), message
     assert "Not responding: rank(s) [1]" in message
     assert LIMIT <= waited < LIMIT + 5, waited
+
+
+def _train_with_a_slow_rank1(stage: int) -> tuple[str, str, float]:
+    """Rank 1 computes in Python (its heartbeat keeps beating) for 2.5 limits between two steps,
+    outside every engine call; rank 0 goes on into its next backward and waits in loco's
+    all-to-all meanwhile.  Returns how training ended, rank 0's stderr, and its longest step."""
+    import contextlib
+    import io
+
+    watchdog.set_collective_timeout(LIMIT)
+    rank = dist.get_rank()
+    model = make_model()
+    cfg = ds_config(stage, "fp32", gas=1, loco={})
+    engine, *_ = zerohooks.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    err = io.StringIO()
+    longest = 0.0
+    outcome = "completed"
+    with contextlib.redirect_stderr(err):
+        try:
+            for step in range(4):
+                if step == 2 and rank == 1:
+                    t0 = time.monotonic()
+                    while time.monotonic() - t0 < 2.5 * LIMIT:  # busy, the GIL passing every few ms
+                        sum(range(1000))
+                t0 = time.monotonic()
+                tokens, target = batch(step, 0, rank, vocab=64)
+                engine.backward(loss_fn(engine, tokens, target))
+                engine.step()
+                longest = max(longest, time.monotonic() - t0)
+        except RuntimeError as e:
+            outcome = f"{type(e).__name__}: {e}"
+    return outcome, err.getvalue(), longest
+
+
+@pytest.mark.multirank
+def test_a_slow_rank_is_waited_for_in_loco_collectives() -> None:
+    """A slow rank is not a stalled one: its heartbeat moves, so rank 0 waits in loco's
+    all-to-all (saying every limit which rank it waits on and where that rank is) instead of
+    raising "alive but has not joined" (before: rank 1 then died with gloo's "Connection closed")."""
+    (out0, err0, longest0), (out1, _, _) = run_distributed(
+        _train_with_a_slow_rank1, 2, args=(2,), timeout=240
+    )
+    assert out0 == "completed" and out1 == "completed", (out0, out1)
+    assert longest0 >= 2 * LIMIT, longest0  # rank 0 did wait inside its engine call
+    assert "rank 0: still waiting in loco " in err0, err0
+    assert (
+        "rank 1 is alive, between engine calls, " in err0 and "after DeepSpeedEngine.step returned" in err0
+    ), err0

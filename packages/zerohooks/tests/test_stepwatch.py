@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import zerohooks
@@ -204,3 +205,70 @@ def test_not_gloo_no_watch() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "RuntimeError a collective failed" in done.stdout, done.stdout
     assert "watch None ['MainThread']" in done.stdout, done.stdout
+
+
+def _frozen_in_a_checkpoint(what: str, folder: str) -> tuple[str, str, float]:
+    """Rank 1 stops itself (SIGSTOP) inside a checkpoint call: in DeepSpeed's write of its
+    optimizer file (save), or as DeepSpeed loads its optimizer state (load: the plugin-state
+    agreement after it is rank 0's next collective).  Returns the error each rank got (type and
+    message) and, on rank 0, the seconds from the call to the error."""
+    import signal
+
+    from zerohooks.testing.recording import RecordingPlugin
+
+    watchdog.set_collective_timeout(LIMIT)
+    rank = dist.get_rank()
+    model = make_model()
+    engine, *_ = zerohooks.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config=ds_config(2, gas=1),
+        plugins=[RecordingPlugin()],
+    )
+    train(engine, 1, 1)
+    if what == "load_checkpoint":
+        engine.save_checkpoint(folder, tag="t")
+    pids = watchdog.gather_objects(os.getpid(), "pids")
+
+    def freeze(original: Any, pick: Any) -> Any:
+        def frozen(*args: Any, **kwargs: Any) -> Any:
+            if pick(args, kwargs):
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return original(*args, **kwargs)
+
+        return frozen
+
+    if rank == 1 and what == "save_checkpoint":  # DeepSpeed's checkpoint engine calls torch.save
+        torch.save = freeze(
+            torch.save, lambda a, k: str(a[1] if len(a) > 1 else k.get("f")).endswith("optim_states.pt")
+        )
+    elif rank == 1:
+        engine.optimizer.load_state_dict = freeze(engine.optimizer.load_state_dict, lambda a, k: True)
+    t0 = time.monotonic()
+    try:
+        if what == "save_checkpoint":
+            engine.save_checkpoint(folder, tag="u")
+        else:
+            engine.load_checkpoint(folder, tag="t")
+        result = "completed", "", 0.0
+    except RuntimeError as e:
+        result = type(e).__name__, str(e), time.monotonic() - t0
+    if rank == 0:
+        os.kill(pids[1], signal.SIGCONT)  # so that the harness can collect it
+    return result
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("what", ["save_checkpoint", "load_checkpoint"])
+def test_a_rank_frozen_in_a_checkpoint_is_named_like_one_in_a_step(what: str, tmp_path: Any) -> None:
+    """Before, rank 0 waited silently in DeepSpeed's closing barrier of the save (150 s at a 5 s
+    limit, until the process group's own timeout); now it raises within the limit."""
+    (kind, message, waited), _ = run_distributed(
+        _frozen_in_a_checkpoint, 2, args=(what, str(tmp_path)), timeout=120
+    )
+    assert kind == "CollectiveTimeoutError", (kind, message)
+    assert message.startswith("rank 0: ") and f"a rank stalled during DeepSpeedEngine.{what} (" in message, (
+        message
+    )
+    assert "Not responding: rank(s) [1]" in message and "rank 1 was last heard " in message, message
+    assert LIMIT - 0.5 <= waited <= LIMIT + 10, waited

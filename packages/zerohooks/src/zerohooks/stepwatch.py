@@ -26,7 +26,15 @@ How
     sockets.
 
 Patient waits stay patient: a rank that is alive (building a kernel, writing a checkpoint,
-loading data) keeps its heartbeat moving, however long it takes; only silence counts.  A process
+loading data, evaluating on its own) keeps its heartbeat moving, however long it takes; only
+silence counts.  zerohooks' own collectives waited on the main thread inside an engine call
+(loco's all-to-all and all-gathers, the checkpoint agreements) follow the same rule: they wait
+without a limit of their own (:func:`wait`), the watching thread names a silent peer, and prints
+every limit which rank the wait is on and where that rank is.  Whatever is alive is bounded by
+the process group's own timeout (``init_process_group(timeout=...)``, DeepSpeed's
+``init_distributed(timeout=...)``: 30 minutes by default), which gloo applies to every collective,
+DeepSpeed's own included: the bound of a wait for a live rank is the same with or without
+zerohooks.  A process
 that exits cleanly says so in its heartbeat.  gloo only; off with the watchdog
 (``ZEROHOOKS_COLLECTIVE_TIMEOUT=off``).
 """
@@ -44,12 +52,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from zerohooks import watchdog
 from zerohooks.errors import CollectiveTimeoutError
 
-__all__ = ["STALL_EXIT_CODE", "in_step", "start", "where_main_thread_is"]
+__all__ = ["STALL_EXIT_CODE", "in_step", "start", "wait", "where_main_thread_is"]
 
 STALL_EXIT_CODE = 75
 """Exit code of a rank that found a stalled peer and whose main thread could not be freed."""
@@ -90,6 +99,13 @@ class _Watch:
         self.phase = ""
         self.depth = 0
         self.entered = 0.0
+        self.left = 0.0
+        """When the main thread last returned from an engine call (``phase`` names it)."""
+        self.collective: str | None = None
+        """The zerohooks collective the main thread waits in under this watch (:func:`wait`)."""
+        self.since = 0.0
+        self.logged = 0
+        """Limits of waiting already told (one line per limit of one wait)."""
         self.verdict: str | None = None
         self.looks: collections.deque[tuple[float, float, float, bool]] = collections.deque(maxlen=32)
         """The last looks taken in an engine call: (time, seconds counted, longest silence, read)."""
@@ -104,7 +120,10 @@ class _Watch:
     def describe(self) -> str:
         """Where this rank is, for its heartbeat (read on the heartbeat thread)."""
         if not self.depth:
-            return ""
+            if not self.phase:
+                return ""
+            # a rank that grabs the GIL early in its next call cannot beat again: this says where
+            return f"; between engine calls, {time.monotonic() - self.left:.1f} s after {self.phase} returned"
         return f"; in {self.phase} for {time.monotonic() - self.entered:.0f} s, at {where_main_thread_is()}"
 
     # -- the watching thread ------------------------------------------------------------------
@@ -133,10 +152,33 @@ class _Watch:
                     last[r] = v
             stalled = [r for r in peers if silent[r] >= self.limit]
             self.looks.append((now, dt, max(silent.values(), default=0.0), values is not None))
-            if self.heart.where.startswith("in "):
-                continue  # inside a zerohooks collective: its own bounded wait names the rank
+            if self.heart.where.startswith("in ") and self.collective is None:
+                continue  # inside a zerohooks collective with a bounded wait: that wait names the rank
             if stalled or store_silent >= self.limit:
                 self._fail(stalled, last, store_silent)
+            elif self.collective is not None:
+                self._still_waiting(now, peers, last)
+
+    def _still_waiting(self, now: float, peers: list[int], last: dict[int, str | None]) -> None:
+        """Once per limit of one wait in a zerohooks collective: which ranks it waits on, and where."""
+        told = int((now - self.since) // self.limit)
+        if told <= self.logged:
+            return
+        self.logged = told
+        collective = self.collective or ""
+        late = [r for r in peers if not (last.get(r) or "").partition("|")[2].startswith(f"in {collective}")]
+        said = (
+            "; ".join(f"rank {r} is alive, {_heard(last.get(r), silent=False)}" for r in late)
+            or "every rank is in it"
+        )
+        pg = _pg_timeout()
+        _say(
+            f"[zerohooks] rank {self.rank}: still waiting in {collective} after {now - self.since:.0f} s "
+            f"(in {self.phase}): {said}. A rank is taken for stalled only when its heartbeat stops for "
+            f"{self.limit:g} s"
+            + (f"; the process group's timeout ({pg:g} s) bounds the wait" if pg is not None else "")
+            + "."
+        )
 
     def _fail(self, stalled: list[int], last: dict[int, str | None], store_silent: float) -> None:
         if stalled:
@@ -150,8 +192,14 @@ class _Watch:
                 f"The rendezvous store has not answered for {store_silent:.0f} s: the process that hosts it (rank 0, "
                 "or the launcher's agent) is stopped, frozen or dead."
             )
+        during = f"a rank stalled during {self.phase} ({time.monotonic() - self.entered:.1f} s in it)"
+        if self.collective is not None:
+            during = (
+                f"zerohooks collective {self.collective} could not complete: "
+                f"{during}, {time.monotonic() - self.since:.1f} s in the collective"
+            )
         report = (
-            f"rank {self.rank}: a rank stalled during {self.phase} ({time.monotonic() - self.entered:.1f} s in it). "
+            f"rank {self.rank}: {during}. "
             f"{head} This rank stops: its gloo connections are shut down. Set {watchdog.ENV} (seconds, or off) "
             "to change the limit."
         )
@@ -190,15 +238,33 @@ def _say(text: str, wait: float = 5.0) -> None:
     writer.join(wait)
 
 
-def _heard(value: str | None) -> str:
+def _heard(value: str | None, silent: bool = True) -> str:
     """Where a heartbeat value says its rank was: the engine call and frames when it was in one
-    (what it last did in zerohooks' own collectives left out), else what the beat says."""
+    (what it last did in zerohooks' own collectives left out), else what the beat says; for a
+    ``silent`` rank last heard between engine calls, that it may have stopped early in the next."""
     where = (value or "").partition("|")[2]
     if where.startswith(("start-up; ", "outside zerohooks collectives")):
         _, sep, rest = where.partition("; in ")
         if sep:
             where = "in " + rest
+        else:
+            _, sep, rest = where.partition("; between engine calls, ")
+            if sep:
+                where = f"between engine calls, {rest}" + (
+                    " (it stopped there or early in its next engine call: a rank that holds the GIL "
+                    "cannot beat)"
+                    if silent
+                    else ""
+                )
     return "at start-up" if where in ("", "start-up") else where
+
+
+def _pg_timeout() -> float | None:
+    """The default process group's own timeout in seconds (gloo applies it to every collective)."""
+    with contextlib.suppress(Exception):
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        return float(backend.options._timeout.total_seconds())
+    return None
 
 
 def _sockets() -> dict[int, int]:
@@ -308,6 +374,36 @@ def _report_from_store() -> str | None:
     return None
 
 
+def wait(work: Any, what: str) -> bool:
+    """Wait for the zerohooks collective ``what`` (``work``: its handle) under the step watch,
+    when this is the main thread inside a watched engine call: without a limit of its own (a
+    live peer is waited for, the process group's timeout aside), a silent peer ending it with
+    :class:`~zerohooks.errors.CollectiveTimeoutError` and the report.  False, without waiting,
+    when the step watch does not watch here: the caller bounds the wait itself."""
+    w = _watch
+    if (
+        w is None
+        or not w.depth
+        or w.verdict is not None
+        or w.collective is not None
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        return False
+    w.since, w.logged, w.collective = time.monotonic(), 0, what
+    try:
+        work.wait()
+    except RuntimeError as e:
+        if isinstance(e, CollectiveTimeoutError):
+            raise
+        report = _report_from_store()
+        if report is None:
+            raise  # a peer gone, or the process group's timeout: the caller says which
+        raise CollectiveTimeoutError(report) from e
+    finally:
+        w.collective = None
+    return True
+
+
 @contextlib.contextmanager
 def in_step(what: str) -> Iterator[None]:
     """Mark an engine call that runs collectives; a stalled peer found meanwhile turns the
@@ -330,3 +426,5 @@ def in_step(what: str) -> Iterator[None]:
         raise CollectiveTimeoutError(report) from e
     finally:
         w.depth -= 1
+        if w.depth == 0:
+            w.left = time.monotonic()

@@ -20,6 +20,15 @@ Patient operations
     Start-up barriers behind which one rank may compile a kernel for minutes
     (:func:`zerohooks.jit.local_rank0_first`) wait as long as every missing rank is alive, and
     fail only on a rank that stopped responding.
+
+Inside an engine call
+    A collective waited on the main thread inside a watched engine call (``forward``,
+    ``backward``, ``step``, ``save_checkpoint``, ``load_checkpoint``: loco's exchanges, the
+    checkpoint agreements) is waited for under the step watch (:func:`zerohooks.stepwatch.wait`):
+    a live peer busy elsewhere (a rank-0-only evaluation, a long save) is waited for, as in
+    DeepSpeed's own collectives, and only a silent one fails the wait.  gloo's point-to-point
+    receives cannot wait with a limit and then go on (a timed-out receive closes the pair): such
+    a wait has no limit of its own, and the step watch ends it.
 """
 
 from __future__ import annotations
@@ -381,17 +390,25 @@ class Pending:
         # the limit counts from the wait: a collective issued early (ZeRO 3 prefetches) and
         # waited after a long stretch of compute is not failed for a merely late peer
         self.t0 = time.monotonic()
+        watched = False
         try:
             if self.patient:
                 _wait_patiently(self.work, heart, self.what, self.seq, self.group, timeout, self.t0)
             else:
-                self.work.wait(timeout=datetime.timedelta(seconds=timeout))
+                from zerohooks import stepwatch  # imports this module
+
+                watched = stepwatch.wait(self.work, f"{self.what} (#{self.seq})")
+                if not watched:
+                    self.work.wait(timeout=datetime.timedelta(seconds=timeout))
         except RuntimeError as e:
             if isinstance(e, CollectiveTimeoutError):
                 raise
             waited = time.monotonic() - self.t0
             text = str(e)
-            if "timed out" in text.lower() or waited >= 0.95 * timeout:
+            watched = watched or waited >= 1.5 * timeout  # the step watch's wait had no limit of ours
+            if watched and "timed out" in text.lower():
+                cause = f"was ended by the process group's own timeout ({text.splitlines()[0][:160]})"
+            elif "timed out" in text.lower() or waited >= 0.95 * timeout:
                 cause = f"did not complete within the {timeout:g} s limit"
             elif any(s in text for s in _PEER_GONE):
                 cause = f"failed: a peer went away ({text.splitlines()[0][:160]})"

@@ -248,6 +248,12 @@ class Attachment:
         from zerohooks.adapter.checkpoint import install_checkpoint_patches
 
         install_checkpoint_patches(self)
+        # saving and loading run collectives too (DeepSpeed's barriers, our agreements): a rank
+        # frozen in a save is named like one frozen in a step (outermost: around our own wrappers)
+        for name in ("save_checkpoint", "load_checkpoint"):
+            self.patch(
+                engine, name, functools.partial(make_watched, f"DeepSpeedEngine.{name}"), "DeepSpeedEngine"
+            )
         stepwatch.start()
 
     def register(self) -> None:
