@@ -238,9 +238,11 @@ def _frozen_in_a_checkpoint(what: str, folder: str) -> tuple[str, str, float]:
 
         return frozen
 
-    if rank == 1 and what == "save_checkpoint":  # DeepSpeed's checkpoint engine calls torch.save
+    if rank == 1 and what == "save_checkpoint":
+        # DeepSpeed's ZeRO state dict reaches torch.save (zerohooks hands it a temporary file
+        # object, not the file's name): recognised by its key
         torch.save = freeze(
-            torch.save, lambda a, k: str(a[1] if len(a) > 1 else k.get("f")).endswith("optim_states.pt")
+            torch.save, lambda a, k: isinstance(a[0], dict) and "optimizer_state_dict" in a[0]
         )
     elif rank == 1:
         engine.optimizer.load_state_dict = freeze(engine.optimizer.load_state_dict, lambda a, k: True)
