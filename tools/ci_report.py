@@ -31,6 +31,8 @@ _STAMP = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]"
 _START = re.compile(rf"^nox > {_STAMP} Running session (.+?)\s*$")
 _END = re.compile(rf"^nox > {_STAMP} Session (.+?) (was successful|failed|skipped|aborted)")
 _ANY = re.compile(rf"^nox > {_STAMP} ")
+_VENV = re.compile(rf"^nox > {_STAMP} Creating virtual environment")
+_INSTALL = re.compile(rf"^nox > {_STAMP} install took ([0-9.]+) s")
 
 
 @dataclass
@@ -40,6 +42,10 @@ class Session:
     name: str
     seconds: float
     outcome: str
+    venv_seconds: float = 0.0
+    """Creating its virtual environment (from nox's line to the next one)."""
+    install_seconds: float = 0.0
+    """Installing packages into it (the noxfile's "install took" lines)."""
 
 
 @dataclass
@@ -76,6 +82,9 @@ def read_sessions(log: Path) -> tuple[list[Session], float | None]:
     """Sessions in the order they ran, and the seconds from the first to the last stamped line."""
     sessions: list[Session] = []
     started: dict[str, dt.datetime] = {}
+    parts: dict[str, list[float]] = {}  # session -> [venv seconds, install seconds]
+    current: str | None = None
+    venv_since: dt.datetime | None = None
     first = last = None
     for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
         stamp = _ANY.match(line)
@@ -83,18 +92,32 @@ def read_sessions(log: Path) -> tuple[list[Session], float | None]:
             now = _time(stamp.group(1))
             first = first or now
             last = now
+            if venv_since is not None and current is not None and not _VENV.match(line):
+                parts[current][0] += (now - venv_since).total_seconds()
+                venv_since = None
         m = _START.match(line)
         if m:
-            started[m.group(2)] = _time(m.group(1))
+            current = m.group(2)
+            started[current] = _time(m.group(1))
+            parts[current] = [0.0, 0.0]
+            continue
+        m = _VENV.match(line)
+        if m and current is not None:
+            venv_since = _time(m.group(1))
+            continue
+        m = _INSTALL.match(line)
+        if m and current is not None:
+            parts[current][1] += float(m.group(2))
             continue
         m = _END.match(line)
         if m and m.group(2) in started:
             name = m.group(2)
             seconds = (_time(m.group(1)) - started.pop(name)).total_seconds()
             outcome = {"was successful": "success"}.get(m.group(3), m.group(3))
-            sessions.append(Session(name, seconds, outcome))
+            sessions.append(Session(name, seconds, outcome, *parts.get(name, [0.0, 0.0])))
     for name, when in started.items():  # cut by the time limit: no end line
-        sessions.append(Session(name, ((last or when) - when).total_seconds(), "unfinished"))
+        seconds = ((last or when) - when).total_seconds()
+        sessions.append(Session(name, seconds, "unfinished", *parts.get(name, [0.0, 0.0])))
     total = (last - first).total_seconds() if first and last else None
     return sessions, total
 
@@ -147,13 +170,17 @@ def render(report: Report, slowest: int) -> str:
         f"Tests: {c['run']} run, {c['passed']} passed, {c['failed']} failed, {c['error']} errors, "
         f"{c['skipped']} skipped.",
         "",
-        "| session | time | outcome | tests | test time |",
-        "|---|---|---|---|---|",
+        "| session | time | outcome | venv | installs | tests | test time | the rest (builds, collection) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for s in report.sessions:
         mine = [t for t in report.tests if t.session == _safe(s.name)]
         test_time = sum(t.seconds for t in mine)
-        lines.append(f"| {s.name} | {_fmt(s.seconds)} | {s.outcome} | {len(mine)} | {_fmt(test_time)} |")
+        rest = max(0.0, s.seconds - s.venv_seconds - s.install_seconds - test_time)
+        lines.append(
+            f"| {s.name} | {_fmt(s.seconds)} | {s.outcome} | {_fmt(s.venv_seconds)} | "
+            f"{_fmt(s.install_seconds)} | {len(mine)} | {_fmt(test_time)} | {_fmt(rest)} |"
+        )
     lines += ["", f"Slowest {slowest} tests:", "", "| test | session | time | outcome |", "|---|---|---|---|"]
     for t in sorted(report.tests, key=lambda t: -t.seconds)[:slowest]:
         lines.append(f"| `{t.nodeid}` | {t.session} | {_fmt(t.seconds)} | {t.outcome} |")

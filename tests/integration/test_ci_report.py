@@ -38,7 +38,10 @@ _TESTS = textwrap.dedent(
 _LOG = textwrap.dedent(
     """\
     nox > [2026-01-01 10:00:00,000] Running session tests(zerohooks)
-    nox > [2026-01-01 10:00:01,000] pytest packages/zerohooks/tests
+    nox > [2026-01-01 10:00:00,500] Creating virtual environment (uv) using python3 in .nox/tests-zerohooks
+    nox > [2026-01-01 10:00:04,500] uv pip install torch==2.13.0 -e packages/zerohooks
+    nox > [2026-01-01 10:00:30,000] install took 25.5 s
+    nox > [2026-01-01 10:00:31,000] pytest packages/zerohooks/tests
     nox > [2026-01-01 10:03:30,500] Session tests(zerohooks) was successful.
     nox > [2026-01-01 10:03:30,600] Running session lint
     nox > [2026-01-01 10:03:31,600] Session lint failed.
@@ -75,13 +78,15 @@ def test_report_counts_times_and_orders_what_pytest_ran(tmp_path: Path) -> None:
     assert data["counts"] == {"run": 4, "passed": 2, "failed": 1, "error": 0, "skipped": 1}
     sessions = {s["name"]: (s["seconds"], s["outcome"]) for s in data["sessions"]}
     assert sessions["tests(zerohooks)"] == (210.5, "success")
+    parts = {s["name"]: (s["venv_seconds"], s["install_seconds"]) for s in data["sessions"]}
+    assert parts["tests(zerohooks)"] == (4.0, 25.5) and parts["lint"] == (0.0, 0.0)
     assert sessions["lint"] == (1.0, "failed")
     assert sessions["typecheck"] == (10.0, "unfinished")  # cut: no end line
     assert data["total_seconds"] == 221.7  # first to last stamped line
     slowest = out.stdout.split("Slowest 2 tests:")[1]
     rows = [ln for ln in slowest.splitlines() if ln.startswith("| `")]
     assert len(rows) == 2 and "test_slow" in rows[0]
-    assert "| tests(zerohooks) | 3.5 min | success | 4 |" in out.stdout
+    assert "| tests(zerohooks) | 3.5 min | success | 4.0 s | 25.5 s | 4 |" in out.stdout
     assert "WARNING" not in out.stdout
 
 
