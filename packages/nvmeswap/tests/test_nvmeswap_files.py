@@ -41,6 +41,7 @@ def test_planted_lock_link_or_folder_link_is_refused(tmp_path) -> None:
     with pytest.raises(OSError, match=r"owner\.lock.*symbolic link") as info:
         claim(str(folder), 0)
     assert info.value.errno == errno.ELOOP
+    assert f"(to {str(victim)!r})" in str(info.value)  # the link's target is named
     assert victim.read_bytes() == b"precious"
     # a FIFO (or anything but a regular file) as the claim file
     os.unlink(folder / LOCK)

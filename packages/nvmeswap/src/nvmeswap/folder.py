@@ -152,7 +152,12 @@ def _open_lock(path: str) -> int:
     try:
         fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0), 0o600)
     except OSError as e:
-        why = LINK_REFUSED if e.errno == errno.ELOOP else e.strerror
+        why = e.strerror
+        if e.errno == errno.ELOOP:
+            try:
+                why = f"{LINK_REFUSED} (to {os.readlink(path)!r})"
+            except OSError:  # replaced since: still a link refused
+                why = LINK_REFUSED
         raise OSError(
             e.errno, f"nvmeswap: cannot open the swap folder's claim file {path!r}: {why}"
         ) from None
