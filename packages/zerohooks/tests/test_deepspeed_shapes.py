@@ -20,16 +20,20 @@ import zerohooks
 from zerohooks import ConfigError
 from zerohooks.dsconfig import check_zero_optimizer, setup_context
 from zerohooks.testing import run_distributed
+from zerohooks.testing.recording import RecordingPlugin
 from zerohooks.testing.toy import ds_config, make_model
 
-PLUGIN = {"accumdtype": {}}
-"""A plugin section that accepts every base config here (fp32 accumulation of an fp32 model)."""
+PLUGIN: dict[str, Any] = {}
+"""No plugin section: the plugin that is on is zerohooks' own RecordingPlugin, passed as an
+object (these tests run where only zerohooks is installed)."""
 
 
 def _init(cfg: dict[str, Any], optimizer: Any = None) -> None:
     model = make_model()
     kwargs: dict[str, Any] = {"optimizer": optimizer} if optimizer is not None else {}
-    zerohooks.initialize(model=model, model_parameters=model.parameters(), config=cfg, **kwargs)
+    zerohooks.initialize(
+        model=model, model_parameters=model.parameters(), config=cfg, plugins=[RecordingPlugin()], **kwargs
+    )
 
 
 @pytest.mark.parametrize(

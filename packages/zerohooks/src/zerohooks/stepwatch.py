@@ -428,3 +428,6 @@ def in_step(what: str) -> Iterator[None]:
         w.depth -= 1
         if w.depth == 0:
             w.left = time.monotonic()
+
+
+watchdog.use_step_wait(wait)  # zerohooks collectives inside watched engine calls wait through it

@@ -49,6 +49,24 @@ import torch.distributed as dist
 
 from zerohooks.errors import CollectiveTimeoutError, ConfigError, RankFailedError
 
+
+def _no_step_watch(work: Any, what: str) -> bool:
+    return False
+
+
+_step_wait: Callable[[Any, str], bool] = _no_step_watch
+"""How a collective inside a watched engine call waits: :func:`zerohooks.stepwatch.wait`, set by
+:mod:`zerohooks.stepwatch` when it is imported (:func:`use_step_wait`; this module does not
+import it: stepwatch builds on this one).  False: not inside a watched call, wait here."""
+
+
+def use_step_wait(wait: Callable[[Any, str], bool]) -> None:
+    """Let collectives waited inside a watched engine call wait through ``wait`` (the step watch:
+    no limit of its own, ended only for a silent peer)."""
+    global _step_wait
+    _step_wait = wait
+
+
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "ENV",
@@ -395,9 +413,7 @@ class Pending:
             if self.patient:
                 _wait_patiently(self.work, heart, self.what, self.seq, self.group, timeout, self.t0)
             else:
-                from zerohooks import stepwatch  # imports this module
-
-                watched = stepwatch.wait(self.work, f"{self.what} (#{self.seq})")
+                watched = _step_wait(self.work, f"{self.what} (#{self.seq})")
                 if not watched:
                     self.work.wait(timeout=datetime.timedelta(seconds=timeout))
         except RuntimeError as e:
