@@ -297,7 +297,9 @@ def _recording_loads() -> Iterator[list[tuple[str, bool, bool]]]:
     real = torch.load
 
     def load(f: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append((os.path.basename(str(f)), bool(kwargs.get("weights_only")), bool(kwargs.get("mmap"))))
+        # a file object (zerohooks reads the open file it checked): the file it is open on
+        name = os.readlink(f"/proc/self/fd/{f.fileno()}") if hasattr(f, "fileno") else str(f)
+        calls.append((os.path.basename(name), bool(kwargs.get("weights_only")), bool(kwargs.get("mmap"))))
         return real(f, *args, **kwargs)
 
     torch.load = load
