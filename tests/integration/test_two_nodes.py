@@ -211,7 +211,9 @@ def _check_death(out: str, waited: float) -> None:
 def test_node_death_is_named_within_the_limit(runs: dict[str, Any]) -> None:
     """Node 1 lost (link cut, then its processes killed): silence, so the limit applies."""
     _check_death(runs["node0"], runs["waited"])
-    assert "did not complete within the 10 s limit" in runs["node0"]
+    # silence, so the limit applies: loco's all-to-all waits inside backward, under the step
+    # watch, which ends it once the other node's heartbeats have been silent for the limit
+    assert "(no heartbeat for 10 s" in runs["node0"], runs["node0"][-4000:]
     assert not set(runs["namespaces"]) & _ours()
 
 
