@@ -22,9 +22,11 @@ unchanged, the error's text, the weights and plugin state of the checkpoint that
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -263,6 +265,24 @@ def _refused(
     return said
 
 
+@contextlib.contextmanager
+def _latest_moves_to_b_during_the_load(loader: Any, ckpt: str) -> Iterator[None]:
+    """'latest' names A when the load starts and B once DeepSpeed's own load runs (after zerohooks
+    read it, before DeepSpeed reads files)."""
+    _write_latest_raw(ckpt, "A")
+    inner = loader._load_checkpoint
+
+    def moving(*args: Any, **kwargs: Any) -> Any:
+        _write_latest_raw(ckpt, "B")
+        return inner(*args, **kwargs)
+
+    loader._load_checkpoint = moving
+    try:
+        yield
+    finally:
+        del loader._load_checkpoint
+
+
 def _loads_choose_one_tag(root: str) -> dict[str, str]:
     ckpt = os.path.join(root, "ckpt")
     other_run = os.path.join(root, "outside")
@@ -313,18 +333,8 @@ def _loads_choose_one_tag(root: str) -> dict[str, str]:
 
     # 'latest' moved to B while the load runs (after zerohooks read it, before DeepSpeed reads
     # files): weights and plugin state both come from A, the tag read once
-    _write_latest_raw(ckpt, "A")
-    inner = loader._load_checkpoint
-
-    def moving(*args: Any, **kwargs: Any) -> Any:
-        _write_latest_raw(ckpt, "B")
-        return inner(*args, **kwargs)
-
-    loader._load_checkpoint = moving
-    try:
+    with _latest_moves_to_b_during_the_load(loader, ckpt):
         path, _ = loader.load_checkpoint(ckpt)
-    finally:
-        del loader._load_checkpoint
     assert path is not None and os.path.basename(os.path.dirname(path)) == "A", path
     assert statefile.read_latest(ckpt) == "B"  # it did move
     assert _same(_weights(loader), a_weights) and q.loaded == a_seen, (q.loaded, a_seen, b_seen)
@@ -357,19 +367,9 @@ def _zero3(root: str) -> None:
     with pytest.raises(CheckpointStateError, match=r"'latest' names 'B'"):
         loader.load_checkpoint(ckpt, tag="A", load_optimizer_states=False)
     # 'latest' moved during the load: detected and named
-    _write_latest_raw(ckpt, "A")
-    inner = loader._load_checkpoint
-
-    def moving(*args: Any, **kwargs: Any) -> Any:
-        _write_latest_raw(ckpt, "B")
-        return inner(*args, **kwargs)
-
-    loader._load_checkpoint = moving
-    try:
-        with pytest.raises(CheckpointStateError, match=r"changed from 'A' to 'B' during the load"):
-            loader.load_checkpoint(ckpt, load_optimizer_states=False)
-    finally:
-        del loader._load_checkpoint
+    moved = pytest.raises(CheckpointStateError, match=r"changed from 'A' to 'B' during the load")
+    with _latest_moves_to_b_during_the_load(loader, ckpt), moved:
+        loader.load_checkpoint(ckpt, load_optimizer_states=False)
 
 
 @pytest.mark.multirank
