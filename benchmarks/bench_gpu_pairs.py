@@ -130,6 +130,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     timed = times[args.warmup :]
+    profile = _profile_step(engine, m, gen, cuda) if args.profile else None
     if cuda:
         peak, kind = int(torch.cuda.max_memory_allocated()), "torch.cuda.max_memory_allocated"
     else:
@@ -145,7 +146,69 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "final_loss": losses[-1],
         "peak_memory_bytes": peak,
         "memory_kind": kind,
+        **({"profile": profile} if profile is not None else {}),
     }
+
+
+def _profile_step(engine: Any, m: dict[str, Any], gen: Any, cuda: bool) -> dict[str, Any]:
+    """One more step (after the timed ones, so they are untouched) under torch.profiler: the ops
+    taking the most self time on the device (CPU time where there is no GPU), for the pair's
+    where-the-time-differs table."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    x = torch.randint(0, 256, (m["micro_batch"], m["seq_len"] + 1), generator=gen).to(engine.device)
+    with profile(activities=acts) as prof:
+        loss = engine(x[:, :-1], x[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+
+    def self_us(e: Any) -> float:
+        if cuda:
+            return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
+        return float(e.self_cpu_time_total)
+
+    events = [e for e in prof.key_averages() if self_us(e) > 0]
+    events.sort(key=self_us, reverse=True)
+    return {
+        "clock": "device" if cuda else "cpu",
+        "total_ms": round(sum(self_us(e) for e in events) / 1e3, 3),
+        "top": [
+            {"op": e.key[:90], "self_ms": round(self_us(e) / 1e3, 3), "calls": int(e.count)}
+            for e in events[:25]
+        ],
+    }
+
+
+def profile_diff(plugin: dict[str, Any], equivalent: dict[str, Any], n: int = 6) -> list[dict[str, Any]]:
+    """The ops whose self time differs most between two profiled steps (plugin minus equivalent);
+    an op in only one side's top list counts as 0 on the other."""
+    a = {x["op"]: x for x in plugin["top"]}
+    b = {x["op"]: x for x in equivalent["top"]}
+    rows = []
+    for op in set(a) | set(b):
+        pa, pb = a.get(op, {}), b.get(op, {})
+        rows.append(
+            {
+                "op": op,
+                "plugin_ms": pa.get("self_ms", 0.0),
+                "equivalent_ms": pb.get("self_ms", 0.0),
+                "plugin_calls": pa.get("calls", 0),
+                "equivalent_calls": pb.get("calls", 0),
+            }
+        )
+    rows.sort(key=lambda r: abs(r["plugin_ms"] - r["equivalent_ms"]), reverse=True)
+    return rows[:n]
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return (values[0], values[0]) if values else (0.0, 0.0)
+    q = statistics.quantiles(values, n=4)
+    return q[0], q[2]
 
 
 # ------------------------------------------------------------------------------ the schedule
@@ -240,9 +303,14 @@ def summarize(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
                 if side:
                     row[f"{key}_step_ms"] = statistics.median(x["step_ms"] for x in side)
                     row[f"{key}_peak_bytes"] = max(x["peak_memory_bytes"] for x in side)
+                    steps = [t for x in side for t in x["step_ms_all"][args.warmup :]]
+                    row[f"{key}_step_quartiles_ms"] = _quartiles(steps)
             if p and b:
                 row["step_ratio"] = row["plugin_step_ms"] / row["equivalent_step_ms"]
                 row["peak_ratio"] = row["plugin_peak_bytes"] / row["equivalent_peak_bytes"]
+                if "profile" in p[0] and "profile" in b[0]:
+                    row["profile_diff"] = profile_diff(p[0]["profile"], b[0]["profile"])
+                    row["profile_total_ms"] = [p[0]["profile"]["total_ms"], b[0]["profile"]["total_ms"]]
             rows.append(row)
     return {"pairs": rows}
 
@@ -253,13 +321,20 @@ def markdown(data: dict[str, Any]) -> str:
         f"rounds completed {data['rounds_done']} of {data['rounds']}; {data['steps']} timed steps after "
         f"{data['warmup']} warm-up per run; each run in its own process.",
         "",
+        "Step times: the median of a run's timed steps (median over rounds), quartiles of every timed step "
+        "in brackets: the spread within a run.",
+        "",
         "| ZeRO | plugin | equivalent | plugin step (ms) | equivalent step (ms) | step ratio "
         "| plugin peak (GiB) | equivalent peak (GiB) | rounds |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(row: dict[str, Any], key: str, scale: float = 1.0, fmt: str = "{:.1f}") -> str:
-        return fmt.format(row[key] / scale) if key in row else "-"
+        if key not in row:
+            return "-"
+        text = fmt.format(row[key] / scale)
+        q = row.get(key.replace("_step_ms", "_step_quartiles_ms")) if key.endswith("_step_ms") else None
+        return f"{text} ({q[0]:.1f}-{q[1]:.1f})" if q else text
 
     for row in data["summary"]["pairs"]:
         lines.append(
@@ -274,6 +349,24 @@ def markdown(data: dict[str, Any]) -> str:
         data.setdefault("notes", [])
         if WORLD_SIZE_1["loco"] not in data["notes"]:
             data["notes"].append(WORLD_SIZE_1["loco"])
+    diffs = [r for r in data["summary"]["pairs"] if r.get("profile_diff")]
+    if diffs:
+        lines += [
+            "",
+            "Where the step time differs: one profiled step of each side (after the timed ones), "
+            "self time per op, the ops differing most (plugin minus equivalent):",
+            "",
+        ]
+        lines += [
+            "| ZeRO | plugin | op | plugin ms (calls) | equivalent ms (calls) |",
+            "|---|---|---|---|---|",
+        ]
+        for r in diffs:
+            for d in r["profile_diff"]:
+                lines.append(
+                    f"| {r['stage']} | {r['plugin']} | `{d['op']}` | {d['plugin_ms']:.2f} ({d['plugin_calls']}) "
+                    f"| {d['equivalent_ms']:.2f} ({d['equivalent_calls']}) |"
+                )
     for note in data.get("notes", []):
         lines += ["", f"- {note}"]
     failed = [r for r in data["results"] if r.get("status") != "ok"]
@@ -333,20 +426,24 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 save()
                 return data
-            cmd = [
-                sys.executable,
-                str(Path(__file__).resolve()),
-                "--child",
-                name,
-                "--stage",
-                str(stage),
-                "--model",
-                json.dumps(model),
-                "--steps",
-                str(args.steps),
-                "--warmup",
-                str(args.warmup),
-            ] + (["--tiny-cpu"] if args.tiny and args.cpu else [])
+            cmd = (
+                [
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    "--child",
+                    name,
+                    "--stage",
+                    str(stage),
+                    "--model",
+                    json.dumps(model),
+                    "--steps",
+                    str(args.steps),
+                    "--warmup",
+                    str(args.warmup),
+                ]
+                + (["--tiny-cpu"] if args.tiny and args.cpu else [])
+                + (["--profile"] if args.profile else [])
+            )
             env = dict(os.environ, TMPDIR=str(scratch), MASTER_PORT=str(_free_port()))
             t0 = time.time()
             rec: dict[str, Any] = {"stage": stage, "run": name, "round": rnd}
@@ -393,6 +490,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=10, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one more step per run (torch.profiler) and report the ops whose time differs most",
+    )
     p.add_argument("--nvme", action="store_true", help="nvmeswap vs DeepSpeed's NVMe offload (ZeRO 3)")
     p.add_argument(
         "--scratch", default=None, help="folder for the runs' files, swap files included (default: TMPDIR)"

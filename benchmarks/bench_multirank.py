@@ -9,7 +9,12 @@ GPU.  This starts two processes on the one device joined over gloo (TCP on 127.0
 on device tensors, each operation ZeRO and loco use; each is checked against the value it must
 give.  The answer (which operations gloo takes on CUDA tensors, whether loco's point-to-point
 exchange moves device buffers between two processes) is the JSON ``--out``, per rank and op:
-``ok``, ``wrong result``, or the error.  NCCL across GPUs stays unverified either way.
+``ok``, ``wrong result``, the error, or ``crashed: <the rank's last error>`` where the operation
+killed a rank (gloo aborts the process on a device pointer it cannot write: ``writev ... Bad
+address``, seen on an H100); the probe then goes on from the next operation with a fresh pair of
+processes, so one crash loses nothing else.  ``ZEROHOOKS_MULTIRANK_CRASH=<operation>`` makes
+rank 1 abort in that operation (the test of that path, on CPU).  NCCL across GPUs stays
+unverified either way.
 """
 
 from __future__ import annotations
@@ -28,7 +33,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _procs import kill_group, reap, start
 
 RESULT_TAG = "MULTIRANK_RESULT "
+META_TAG = "MULTIRANK_META "
+OP_TAG = "MULTIRANK_OP "
 DONE_TAG = "MULTIRANK_DONE"
+OP_NAMES = (
+    "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+    "all_to_all_single", "isend_irecv", "loco_p2p_all_to_all", "loco_p2p_all_gather_uint8",
+    "side_stream_all_reduce",
+)  # fmt: skip
+"""The operations, in the order they run (``_ops`` builds them)."""
 
 
 def _ops(dev: Any) -> dict[str, Any]:
@@ -119,7 +132,9 @@ def _ops(dev: Any) -> dict[str, Any]:
     )}  # fmt: skip
 
 
-def child(rank: int, world: int, port: int, cpu: bool) -> dict[str, Any]:
+def child(rank: int, world: int, port: int, cpu: bool, first: int = 0) -> dict[str, Any]:
+    """Run the operations from index ``first`` on, printing one tagged line per operation as it
+    ends (so a crash in the next one loses nothing); the rank's description is returned."""
     import torch
     import torch.distributed as dist
 
@@ -131,22 +146,39 @@ def child(rank: int, world: int, port: int, cpu: bool) -> dict[str, Any]:
         world_size=world,
         timeout=datetime.timedelta(seconds=20),
     )
-    res: dict[str, Any] = {"rank": rank, "device": str(dev), "torch": torch.__version__, "ops": {}}
+    res: dict[str, Any] = {"rank": rank, "device": str(dev), "torch": torch.__version__}
     if dev.type == "cuda":
         res["device_name"] = torch.cuda.get_device_name()
-    for name, fn in _ops(dev).items():
+    print(META_TAG + json.dumps(res), flush=True)
+    ops = _ops(dev)
+    assert tuple(ops) == OP_NAMES, (tuple(ops), OP_NAMES)
+    for name in OP_NAMES[first:]:
         t = time.perf_counter()
+        if rank == 1 and os.environ.get("ZEROHOOKS_MULTIRANK_CRASH") == name:
+            print(f"terminate called: injected crash in {name}", flush=True)
+            os.abort()
         try:
-            ok = fn(rank, world)
+            ok = ops[name](rank, world)
             if dev.type == "cuda":
                 torch.cuda.synchronize()
-            res["ops"][name] = "ok" if ok else "wrong result"
+            result = "ok" if ok else "wrong result"
         except Exception as e:
-            res["ops"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        res["ops"][name] += f" ({1e3 * (time.perf_counter() - t):.0f} ms)"
+            result = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        result += f" ({1e3 * (time.perf_counter() - t):.0f} ms)"
+        print(OP_TAG + json.dumps({"op": name, "result": result}), flush=True)
         dist.barrier()  # on gloo's CPU path: a failed op leaves both ranks in step
     dist.destroy_process_group()
     return res
+
+
+def _last_error(text: str) -> str:
+    """The line that says why a rank ended: gloo's ``what():``, else the last exception line."""
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    for key in ("what():", "Error", "error", "Killed", "Segmentation"):
+        hits = [x for x in lines if key in x]
+        if hits:
+            return hits[-1].replace("what():", "").strip()[:200]
+    return lines[-1][:200] if lines else "no output"
 
 
 def markdown(data: dict[str, Any]) -> str:
@@ -154,7 +186,9 @@ def markdown(data: dict[str, Any]) -> str:
     if not ranks:
         return f"no result: {data.get('error', '?')}\n"
     lines = [
-        f"Two ranks over gloo on {ranks[0].get('device_name', ranks[0]['device'])} (torch {ranks[0]['torch']}).",
+        f"Two ranks over gloo on {ranks[0].get('device_name', ranks[0]['device'])} (torch {ranks[0]['torch']}), "
+        f"{data.get('attempts', 1)} pair(s) of processes (a fresh pair after each crash)."
+        + (f" Not finished: {data['error']}." if data.get("error") else ""),
         "",
         "| operation | " + " | ".join(f"rank {r['rank']}" for r in ranks) + " |",
         "|---|" + "---|" * len(ranks),
@@ -164,30 +198,77 @@ def markdown(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parent(args: argparse.Namespace) -> dict[str, Any]:
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+def _attempt(args: argparse.Namespace, out: Path, first: int, end: float, n: int) -> list[str]:
+    """One pair of rank processes from operation ``first``; each rank's new log text."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     me = str(Path(__file__).resolve())
-    procs = []
+    procs, logs, offsets = [], [], []
     for r in range(2):
-        cmd = [sys.executable, me, "--child", str(r), "--port", str(port)] + (["--cpu"] if args.cpu else [])
-        procs.append(start(cmd, out.with_name(f"{out.stem}-rank{r}.log"), dict(os.environ)))
-    end = time.time() + args.timeout
+        log = out.with_name(f"{out.stem}-rank{r}.log")
+        with open(log, "a") as f:
+            f.write(f"=== attempt {n}: operations from {OP_NAMES[first]}\n")
+        offsets.append(log.stat().st_size)
+        logs.append(log)
+        cmd = [sys.executable, me, "--child", str(r), "--port", str(port), "--first", str(first)]
+        procs.append(start(cmd + (["--cpu"] if args.cpu else []), log, dict(os.environ), append=True))
     while time.time() < end and any(reap(p) is None for p in procs):
         time.sleep(0.2)
-    data: dict[str, Any] = {"ranks": []}
-    for r, p in enumerate(procs):
+    texts = []
+    for p, log, off in zip(procs, logs, offsets, strict=True):
         if p.poll() is None:
             kill_group(p)
-        text = out.with_name(f"{out.stem}-rank{r}.log").read_text(errors="replace")
-        line = next((x for x in text.splitlines() if x.startswith(RESULT_TAG)), None)
-        if line:
-            data["ranks"].append(json.loads(line[len(RESULT_TAG) :]))
+        with open(log, "rb") as f:
+            f.seek(off)
+            texts.append(f.read().decode(errors="replace"))
+    return texts
+
+
+def parent(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every operation on two ranks.  An operation that kills a rank (gloo aborts the process
+    on some device pointers: ``writev ... Bad address``) is recorded as crashed, with each rank's
+    own last error, and the probe goes on with a fresh pair of processes from the next one."""
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for r in range(2):
+        out.with_name(f"{out.stem}-rank{r}.log").write_text("")
+    end = time.time() + args.timeout
+    metas: list[dict[str, Any] | None] = [None, None]
+    ops: list[dict[str, str]] = [{}, {}]
+    first, attempts, error = 0, 0, None
+    while first < len(OP_NAMES):
+        if time.time() >= end:
+            error = f"time limit ({args.timeout:.0f} s) reached before {OP_NAMES[first]}"
+            break
+        attempts += 1
+        texts = _attempt(args, out, first, end, attempts)
+        for r, text in enumerate(texts):
+            for line in text.splitlines():
+                if line.startswith(META_TAG):
+                    metas[r] = json.loads(line[len(META_TAG) :])
+                elif line.startswith(OP_TAG):
+                    d = json.loads(line[len(OP_TAG) :])
+                    ops[r][d["op"]] = d["result"]
+        missing = [i for i in range(first, len(OP_NAMES)) if any(OP_NAMES[i] not in o for o in ops)]
+        if not missing:
+            break
+        i = missing[0]
+        if time.time() >= end:
+            error = f"time limit ({args.timeout:.0f} s) reached in {OP_NAMES[i]}"
+            break
+        for r in range(2):
+            if OP_NAMES[i] not in ops[r]:
+                ops[r][OP_NAMES[i]] = "crashed: " + _last_error(texts[r])
+        first = i + 1
+    data: dict[str, Any] = {"ranks": [], "attempts": attempts}
+    for r in range(2):
+        if metas[r] is not None:
+            data["ranks"].append({**metas[r], "ops": {k: ops[r][k] for k in OP_NAMES if k in ops[r]}})
         else:
-            data.setdefault("error", f"rank {r}: no result (exit {p.returncode}): {text.strip()[-500:]}")
+            data.setdefault("error", f"rank {r} never started: {error or 'no output'}")
+    if error:
+        data["error"] = error
     out.write_text(json.dumps(data, indent=1))
     return data
 
@@ -201,14 +282,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=90.0, help="seconds for both ranks (default 90)")
     p.add_argument("--child", type=int, default=None, help="internal: this process's rank")
     p.add_argument("--port", type=int, default=0, help="internal (--child)")
+    p.add_argument("--first", type=int, default=0, help="internal (--child): index of the first operation")
     args = p.parse_args(argv)
     if args.child is not None:
-        print(RESULT_TAG + json.dumps(child(args.child, 2, args.port, args.cpu)), flush=True)
+        print(RESULT_TAG + json.dumps(child(args.child, 2, args.port, args.cpu, args.first)), flush=True)
         return 0
     data = parent(args)
     print(markdown(data))
     print(DONE_TAG, flush=True)
-    return 0 if len(data["ranks"]) == 2 else 1
+    return 0 if len(data["ranks"]) == 2 and "error" not in data else 1
 
 
 if __name__ == "__main__":

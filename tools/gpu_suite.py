@@ -327,10 +327,19 @@ class Suite:
         rec = self.pre("pairs", no_gpu)
         if rec:
             end, _ = self.window("pairs")
-            cmd = [py, "benchmarks/bench_gpu_pairs.py", "--out", str(self.logs / "pairs.json"), *tiny]
+            cmd = [
+                py,
+                "benchmarks/bench_gpu_pairs.py",
+                "--out",
+                str(self.logs / "pairs.json"),
+                *tiny,
+                "--profile",
+            ]
             cmd += ["--stages", "2" if smoke else self.args.stages, "--deadline-at", str(end - 3)]
             if not smoke:
-                cmd += ["--rounds", str(self.args.rounds), "--steps", "6", "--warmup", "2"]
+                # H100, 2026-11-26: a run took 25 s (imports, engine build 10 s, first step 2.5 s),
+                # a step 70-180 ms; so 12 timed steps cost little and give each run its spread
+                cmd += ["--rounds", str(self.args.rounds), "--steps", "12", "--warmup", "2"]
             self.bench(rec, cmd)
 
         skip_ds = self.join_aio(aio, aio_t0, aio_why, no_gpu, smoke)
@@ -538,7 +547,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default=None, help="scratch folder: logs, swap files (default OUT.work)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny model, few steps, on CPU")
     p.add_argument("--stages", default="2,3", help="ZeRO stages of the pairs, in order (default 2,3)")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the pairs (default 2)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="interleaved rounds of the pairs (default 1: one round of 12 runs took 283 s on an H100)",
+    )
     p.add_argument(
         "--exit-grace", type=float, default=10.0, help="seconds a child may take to exit after its result"
     )

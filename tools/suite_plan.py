@@ -16,48 +16,52 @@ RESERVE_S = 8.0
 
 PLAN: tuple[tuple[str, float, float, str], ...] = (
     # name, weight (share of the slot), floor (s), what it answers
+    # Weights from the H100 run of 2026-11-26 (benchmarks/gpu-runs/): info 8 s, build 54 s, gpu-tests
+    # 13 s, loco-kernels 9 s, pairs 283 s for one round of 12 runs, nvme 29 s (nvmeswap alone;
+    # DeepSpeed's run doubles it where libaio is there), multirank one pair of processes per crash.
     (
         "info",
-        4,
-        25,
+        3,
+        15,
         "versions, device, CUDA_HOME, ninja; DeepSpeed's async_io probe alongside (its real reason)",
     ),
     (
         "build",
-        22,
+        12,
         5,
         "loco's and nvmeswap's kernels, side by side where there are >= 4 cores; DeepSpeed's "
         "async_io op builds in the background until the nvme section",
     ),
     (
         "gpu-tests",
-        10,
+        5,
         8,
-        "loco's CUDA kernels bitwise against the reference, default and vec16 (pytest -m gpu)",
+        "loco's CUDA kernels bitwise against the reference, vec16 (the default) and warp (pytest -m gpu)",
     ),
     (
         "loco-kernels",
-        6,
+        3,
         5,
-        "loco's kernels' bandwidth against the device's copy, default and vec16 (goal >= 0.7)",
+        "loco's kernels' bandwidth against the device's copy, vec16 (the default) and warp (goal >= 0.7)",
     ),
     (
         "pairs",
-        41,
+        62,
         8,
         "accumdtype, autocastzero, mixedlayers against their DeepSpeed equivalents, ZeRO 2 then 3, "
-        "2 interleaved rounds (median), one process per run; loco's pair skipped (world size 1 shows nothing)",
+        "1 round of 12 timed steps per run (quartiles), one process per run, one profiled step each "
+        "(the ops whose time differs); loco's pair skipped (world size 1 shows nothing)",
     ),
     ("ds-aio-build", 0, 0, "joins DeepSpeed's async_io build (waits at most a third of the nvme budget)"),
     (
         "nvme",
-        18,
+        11,
         8,
         "nvmeswap against DeepSpeed's NVMe offload, ZeRO 3, a 43 M-parameter GPT, 1 round (fits its budget)",
     ),
     (
         "multirank",
-        3,
+        5,
         5,
         "two ranks on the one GPU over gloo (NCCL refuses two ranks on one device): which collectives "
         "take CUDA tensors, loco's exchange on device buffers",

@@ -21,6 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_multirank  # noqa: E402
 import suite_plan  # noqa: E402
 from _procs import run_group  # noqa: E402
 
@@ -236,6 +237,26 @@ def test_multirank_probe_runs_two_ranks_on_cpu(tmp_path: Path) -> None:
     assert "| loco_p2p_all_gather_uint8 | ok" in proc.stdout
 
 
+def test_multirank_probe_goes_on_after_an_operation_kills_a_rank(tmp_path: Path) -> None:
+    """On an H100 gloo aborted a rank inside one operation on CUDA tensors (``writev ... Bad
+    address``) and the whole probe came back empty.  Rank 1 now aborts in ``all_gather``: that
+    operation is recorded as crashed on rank 1 and as the error rank 0 saw (the peer gone), the
+    ones before and after it still run, in a second pair of processes."""
+    out = tmp_path / "multirank.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_multirank.py"), "--cpu", "--out", str(out)]
+    env = {**os.environ, "ZEROHOOKS_MULTIRANK_CRASH": "all_gather"}
+    proc = subprocess.run(cmd, timeout=200, capture_output=True, text=True, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["attempts"] == 2 and "error" not in data
+    r0, r1 = (r["ops"] for r in data["ranks"])
+    assert r1["all_gather"] == "crashed: terminate called: injected crash in all_gather"
+    assert not r0["all_gather"].startswith("ok") and "injected" not in r0["all_gather"], r0["all_gather"]
+    for ops in (r0, r1):
+        assert ops["broadcast"].startswith("ok (") and ops["all_to_all_single"].startswith("ok (")
+        assert list(ops) == list(bench_multirank.OP_NAMES)
+
+
 def test_a_plan_past_the_deadline_is_cut_by_the_deadline(tmp_path: Path) -> None:
     """--budget scales the plan, the deadline only stops: info planned for 20 s of a 200 s budget
     under an 11 s deadline (3 s left after the reserve) is cut by the deadline (not by its own limit, and not ok)."""
@@ -269,3 +290,58 @@ def test_the_async_io_probe_names_a_missing_distutils(tmp_path: Path) -> None:
     why = aio_probe_reason(got.text)
     assert why is not None and why.startswith("import distutils failed"), got.text[-2000:]
     assert "libaio missing" not in why
+
+
+def test_pairs_report_spread_and_where_the_time_differs(tmp_path: Path) -> None:
+    """The pairs' table gives each side's quartiles of its timed steps, and one profiled step of
+    each side (after the timed ones) gives the ops whose time differs most: on a tiny CPU run,
+    accumdtype's fp32 accumulation against DeepSpeed's, each op's time within the step's total."""
+    out = tmp_path / "pairs.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "bench_gpu_pairs.py"),
+        "--tiny",
+        "--cpu",
+        "--stages",
+        "2",
+    ]
+    cmd += ["--pairs", "accumdtype", "--rounds", "1", "--steps", "3", "--warmup", "1", "--profile"]
+    proc = subprocess.run([*cmd, "--out", str(out)], timeout=240, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    runs = {r["run"]: r for r in data["results"]}
+    assert set(runs) == {"accumdtype", "ds-accum-fp32"}
+    for r in runs.values():
+        prof = r["profile"]
+        assert prof["clock"] == "cpu" and prof["top"] and 0 < prof["top"][0]["self_ms"] <= prof["total_ms"]
+        lo, hi = _quartiles(r["step_ms_all"][1:])
+        assert lo <= r["step_ms"] <= hi
+    (row,) = data["summary"]["pairs"]
+    assert row["plugin_step_quartiles_ms"][0] <= row["plugin_step_ms"] <= row["plugin_step_quartiles_ms"][1]
+    assert row["profile_diff"] and row["profile_total_ms"] == [
+        runs["accumdtype"]["profile"]["total_ms"],
+        runs["ds-accum-fp32"]["profile"]["total_ms"],
+    ]
+    first = row["profile_diff"][0]
+    assert abs(first["plugin_ms"] - first["equivalent_ms"]) >= max(
+        abs(d["plugin_ms"] - d["equivalent_ms"]) for d in row["profile_diff"]
+    )
+    md = out.with_suffix(".md").read_text()
+    assert "Where the step time differs" in md and f"`{first['op']}`" in md
+    assert f"{row['plugin_step_ms']:.1f} ({row['plugin_step_quartiles_ms'][0]:.1f}-" in md
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    """Independent of the benchmark's own: linear interpolation between order statistics (the
+    'exclusive' method of statistics.quantiles, written out)."""
+    v = sorted(values)
+    if len(v) < 2:
+        return v[0], v[0]
+
+    def q(p: float) -> float:
+        h = (len(v) + 1) * p - 1
+        lo = min(max(int(h // 1), 0), len(v) - 1)
+        hi = min(lo + 1, len(v) - 1)
+        return v[lo] + (h - lo) * (v[hi] - v[lo]) if h >= 0 else v[0]
+
+    return q(0.25), q(0.75)

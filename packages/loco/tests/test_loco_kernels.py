@@ -226,20 +226,28 @@ def test_special_values(native: None, device: str, use_kernels: bool) -> None:
 
 
 @pytest.mark.parametrize(
-    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU])], ids=["cpu", "cuda-vec16"]
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda:vec16", marks=[pytest.mark.gpu, GPU]),
+        pytest.param("cuda:warp", marks=[pytest.mark.gpu, GPU]),
+    ],
+    ids=["cpu", "cuda-vec16", "cuda-warp"],
 )
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("err", [None, "int8", "bf16", "fp32"])
-def test_vec16_kernels_are_bitwise_the_reference(
+def test_aligned_kernels_are_bitwise_the_reference(
     native: None, monkeypatch: pytest.MonkeyPatch, device: str, bits: int, err: str | None
 ) -> None:
-    """The wide-access CUDA kernels (``LOCO_CUDA_VARIANT=vec16``, not the default) on inputs they
-    take (16-byte aligned gradients and outputs, rows whose byte lengths are multiples of 16, code
-    rows of multiples of 8 bytes), every group size, partial last groups and short outputs; on
-    CPU the same cases check the CPU kernels."""
+    """Both CUDA variants on the inputs the wide-access one takes (16-byte aligned gradients and
+    outputs, rows whose byte lengths are multiples of 16, code rows of multiples of 8 bytes):
+    ``vec16`` (the default) and ``warp`` (``LOCO_CUDA_VARIANT=warp``, which other CUDA tests reach
+    only on unaligned inputs), every group size, partial last groups and short outputs; on CPU
+    the same cases check the CPU kernels."""
+    if device.startswith("cuda:"):
+        device, variant = device.split(":")
+        monkeypatch.setenv("LOCO_CUDA_VARIANT", variant)
     _on(device)
-    if device == "cuda":
-        monkeypatch.setenv("LOCO_CUDA_VARIANT", "vec16")
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     for group in (64, 128, 256, 512, 1024):
@@ -390,3 +398,17 @@ def test_cuda_sources_compile_with_nvcc(tmp_path) -> None:
         pytest.skip(
             "kernels compiled; the binding check needs the CUDA headers (cuda_runtime.h): set CUDA_HOME"
         )
+
+
+@pytest.mark.gpu
+@GPU
+def test_unknown_cuda_variant_is_refused(native: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LOCO_CUDA_VARIANT`` naming no variant is an error naming the accepted values, not a
+    silent fallback to one of them."""
+    _on("cuda")
+    monkeypatch.setenv("LOCO_CUDA_VARIANT", "vec8")
+    q = torch.zeros(1, 64, dtype=torch.uint8, device="cuda")
+    scale = torch.ones(1, 1, device="cuda")
+    out = torch.empty(128, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match=r"LOCO_CUDA_VARIANT='vec8'.*'vec16'.*'warp'"):
+        torch.ops.loco.dequant_reduce(q, scale, 4, 128, 1.0, out)

@@ -9,6 +9,9 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+#include <cstring>
+
 #include "loco_kernels.cuh"
 #include "loco_torch.h"
 
@@ -31,6 +34,16 @@ void check_cuda(const at::Tensor& t, const char* what) {
               "; all its tensors must be on one CUDA device");
 }
 
+// LOCO_CUDA_VARIANT is read at every launch (the kernels' choice is in loco_kernels.cu): a value
+// that names no variant is an error rather than a silent default.
+void check_variant() {
+  const char* v = std::getenv("LOCO_CUDA_VARIANT");
+  TORCH_CHECK(v == nullptr || *v == '\0' || std::strcmp(v, "vec16") == 0 || std::strcmp(v, "warp") == 0,
+              "loco: LOCO_CUDA_VARIANT='", v == nullptr ? "" : v,
+              "' names no kernel variant; accepted: 'vec16' (the default: 16 bytes per lane per access) "
+              "or 'warp' (the earlier kernels, 1-2 bytes per lane)");
+}
+
 void check_groups(int64_t ngroups) {
   TORCH_CHECK(ngroups <= cuda::kMaxGroups, "loco: ", ngroups, " groups are more than one launch covers (",
               cuda::kMaxGroups, "); split the tensor");
@@ -39,6 +52,7 @@ void check_groups(int64_t ngroups) {
 void quantize_ef_cuda(const at::Tensor& g_in, const at::Tensor& e, const at::Tensor& e_scale, double beta,
                       int64_t bits, int64_t group_size, int64_t row_len, const at::Tensor& q, const at::Tensor& scale) {
   check_params(bits, group_size);
+  check_variant();
   check_cuda(g_in, "g");
   const c10::DeviceGuard guard(g_in.device());
   const int64_t G = group_size;
@@ -65,6 +79,7 @@ void dequant_reduce_requant_cuda(const at::Tensor& q, const at::Tensor& scale, c
                                  const at::Tensor& e_scale, double beta, int64_t bits, int64_t group_size,
                                  const at::Tensor& q_out, const at::Tensor& scale_out) {
   check_params(bits, group_size);
+  check_variant();
   check_cuda(q, "q");
   const c10::DeviceGuard guard(q.device());
   const int64_t G = group_size;
@@ -84,6 +99,7 @@ void dequant_reduce_requant_cuda(const at::Tensor& q, const at::Tensor& scale, c
 void dequant_reduce_cuda(const at::Tensor& q, const at::Tensor& scale, int64_t bits, int64_t group_size,
                          double divisor, const at::Tensor& out) {
   check_params(bits, group_size);
+  check_variant();
   check_cuda(q, "q");
   const c10::DeviceGuard guard(q.device());
   int64_t M = 0;

@@ -236,8 +236,9 @@ __global__ void dequant_reduce_kernel(Rows rows, float divisor, void* out, int o
 }
 
 
-// ---- vec16: the same kernels with wide accesses (LOCO_CUDA_VARIANT=vec16) ---------------------
-// Not the default until a GPU run has checked it (bitwise and speed: tools/run_suite.sh).  A
+// ---- vec16: the same kernels with wide accesses (the default; LOCO_CUDA_VARIANT=warp: the above) --
+// Default since the H100 run of 2026-11-26 checked it (bitwise, and 1.6-2.3x the bandwidth of the
+// kernels above: benchmarks/RESULTS.md, "GPU suite").  A
 // group's G elements are spread over T = min(32, G / 16) lanes, 32 / T groups per warp; lane t
 // holds, for p < P = G / (16 T), chunk c = p T + t of each half of the group: elements
 // [8c, 8c + 8) (lo) and [G/2 + 8c, G/2 + 8c + 8) (hi).  Gradients, outputs and bf16/fp32 errors
@@ -494,9 +495,10 @@ __global__ void dequant_reduce_vec_kernel(Rows rows, float divisor, void* out, i
   }
 }
 
+// vec16 unless LOCO_CUDA_VARIANT is "warp" (loco_cuda.cpp refuses any other value first).
 bool vec16_enabled() {
   const char* v = std::getenv("LOCO_CUDA_VARIANT");
-  return v != nullptr && std::strcmp(v, "vec16") == 0;
+  return v == nullptr || std::strcmp(v, "warp") != 0;
 }
 
 bool aligned(const void* p, int64_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; }
