@@ -15,6 +15,10 @@ comes in the folder:
     DIR/wheels-if-missing/M/   installed only where ``import M`` fails: DeepSpeed's other
                                requirements (einops, msgpack, ninja, numpy, packaging, psutil,
                                cpuinfo, tqdm), so the machine's own copies are not shadowed
+    DIR/debs-if-missing/L/     Debian packages of the C library libL, unpacked (``dpkg-deb -x``)
+                               into the scratch folder only where the machine has no libL:
+                               libaio (``libaio1``, ``libaio-dev``), which DeepSpeed's NVMe
+                               offload (async_io) builds against; an H100 machine had none
     DIR/project/               the working tree's tracked and untracked, not ignored, files
                                (tests, benchmarks, examples, pyproject.toml)
     DIR/manifest.json          what is in it: Python version, wheels, git revision, sizes
@@ -66,6 +70,10 @@ IF_MISSING = {
 }
 """DeepSpeed's other requirements (its METADATA), distribution -> import name: installed only
 where the import fails, so a machine's own numpy (say) is not shadowed by another version."""
+DEBS_IF_MISSING = {"aio": ("libaio1", "libaio-dev")}
+"""C libraries (``lib<key>``) carried as Debian packages (``apt-get download``, from this
+machine's Debian release: libaio depends on nothing but libc), unpacked on the GPU machine only
+where ``ctypes.util.find_library`` finds none."""
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 
 
@@ -207,6 +215,38 @@ def _revision() -> str:
         return "unknown"
 
 
+def _debs(dest: Path, cache: Path) -> dict[str, object]:
+    """Copy :data:`DEBS_IF_MISSING` into ``dest`` (downloaded into ``cache`` once); a library that
+    cannot be downloaded here (no apt-get, no package lists) is left out with the reason, so the
+    bundle still works without it (the nvme section then says libaio is missing)."""
+    out: dict[str, object] = {}
+    for lib, packages in DEBS_IF_MISSING.items():
+        where = cache / "debs" / lib
+        where.mkdir(parents=True, exist_ok=True)
+        have = {p: sorted(where.glob(f"{p}_*.deb")) for p in packages}
+        missing = [p for p, found in have.items() if not found]
+        if missing:
+            try:
+                subprocess.run(
+                    ["apt-get", "download", *missing], cwd=where, check=True, timeout=120, capture_output=True
+                )
+            except (OSError, subprocess.SubprocessError) as e:
+                why = getattr(e, "stderr", b"") or str(e).encode()
+                out[lib] = (
+                    f"left out: apt-get download {' '.join(missing)} failed ({why.decode(errors='replace').strip()[-200:]})"
+                )
+                log(f"warning: lib{lib} {out[lib]}")
+                continue
+        (dest / "debs-if-missing" / lib).mkdir(parents=True)
+        names = []
+        for p in packages:
+            deb = sorted(where.glob(f"{p}_*.deb"))[-1]
+            shutil.copy2(deb, dest / "debs-if-missing" / lib / deb.name)
+            names.append(deb.name)
+        out[lib] = names
+    return out
+
+
 def build(dest: Path, pyver: str, ds_version: str, cache: Path, max_mib: float) -> dict[str, object]:
     t0 = time.time()
     if dest.exists() and any(dest.iterdir()):
@@ -235,6 +275,7 @@ def build(dest: Path, pyver: str, ds_version: str, cache: Path, max_mib: float) 
         (if_missing / module).mkdir(parents=True)
         shutil.copy2(w, if_missing / module / w.name)
     _own_wheels(wheels)
+    debs = _debs(dest, cache)
 
     project = dest / "project"
     project.mkdir()
@@ -256,6 +297,7 @@ def build(dest: Path, pyver: str, ds_version: str, cache: Path, max_mib: float) 
         "wheels_if_missing": {
             m: sorted(w.name for w in (if_missing / m).glob("*.whl")) for m in IF_MISSING.values()
         },
+        "debs_if_missing": debs,
         "project_files": len(files),
         "bytes": size,
     }

@@ -128,6 +128,33 @@ if [[ -d $HERE/wheels ]]; then
     echo "=== [$(($(date +%s) - T0))s] installing ${#wheels[@]} wheels into $WORK/site" | tee -a "$LOG" >&2
     pip_install --target "$WORK/site" "${wheels[@]}" >>"$LOG" 2>&1 || fail "pip install --target $WORK/site failed"
     export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+    # C libraries the machine lacks (libaio, for DeepSpeed's NVMe offload): unpacked into the
+    # scratch folder and put on the compiler's and the loader's paths
+    for d in "$HERE"/debs-if-missing/*/; do
+        [[ -d $d ]] || continue
+        lib=$(basename "$d")
+        if [[ -z ${ZEROHOOKS_BUNDLE_UNPACK_DEBS:-} ]] &&
+            "$PY" -c "import ctypes.util, sys; sys.exit(ctypes.util.find_library('$lib') is None)" 2>/dev/null; then
+            echo "have lib$lib: not unpacking the bundle's copy" >>"$LOG"
+            continue
+        fi
+        if ! command -v dpkg-deb >/dev/null 2>&1; then
+            echo "=== no dpkg-deb: the bundle's lib$lib is not unpacked" | tee -a "$LOG" >&2
+            continue
+        fi
+        for deb in "$d"*.deb; do dpkg-deb -x "$deb" "$WORK/sysroot" >>"$LOG" 2>&1; done
+        so=$(find "$WORK/sysroot" -name "lib$lib.so" | head -1)
+        if [[ -z $so ]]; then
+            echo "=== the bundle's lib$lib packages hold no lib$lib.so" | tee -a "$LOG" >&2
+            continue
+        fi
+        libdir=$(dirname "$so")
+        inc=$WORK/sysroot/usr/include
+        export CPATH="$inc${CPATH:+:$CPATH}" LIBRARY_PATH="$libdir${LIBRARY_PATH:+:$LIBRARY_PATH}"
+        export LD_LIBRARY_PATH="$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        export CFLAGS="-I$inc${CFLAGS:+ $CFLAGS}" LDFLAGS="-L$libdir${LDFLAGS:+ $LDFLAGS}"
+        echo "=== [$(($(date +%s) - T0))s] unpacked lib$lib from the bundle into $WORK/sysroot" | tee -a "$LOG" >&2
+    done
     # the ninja wheel's script: torch's extension builds need ninja on PATH
     if ! command -v ninja >/dev/null 2>&1 && [[ -x $WORK/site/bin/ninja ]]; then
         export PATH="$WORK/site/bin:$PATH"

@@ -29,6 +29,8 @@ KEPT = ("norm.weight", "norm.bias", "fc2.weight", "fc2.bias")
 """Names of the parameters SECTION keeps in fp32."""
 GAS = 2
 STEPS = 3
+SMALL_BUCKET = 8
+"""A ``reduce_bucket_size`` no bucket of the toy model fills less than (fc2.bias has 8 elements)."""
 
 CASES: list[tuple[int, str, bool]] = [
     (0, "bf16", False),
@@ -325,3 +327,45 @@ def detach_scenario() -> dict[str, Any]:
         "staging_patch": (patched, unpatched),
         "state_after_detach": state is not None and state.handles == [] and mixed_state(engine) is None,
     }
+
+
+def bucket_scenario() -> dict[str, Any]:
+    """ZeRO 2, bf16, mixedlayers: the gradients go to two IPG buckets (bf16 and the fp32 modules'
+    fp32).  Trained twice from the same start: with DeepSpeed's default ``reduce_bucket_size``
+    (500 M elements), where zerohooks sizes each bucket's buffers to its gradients, and with
+    ``reduce_bucket_size`` 8 (``SMALL_BUCKET``), where every bucket needs its whole size and
+    DeepSpeed's own buffers stay.  On 2 ranks a reduction sums two values per element whatever
+    the bucketing, so both must train bitwise alike.  Returns the buffers seen during the first
+    backward, the parameters' sizes counted from the model, the losses and the final masters."""
+    import zerohooks
+
+    out: dict[str, Any] = {}
+    for run in ("fitted", "deepspeed"):
+        small = {"zero_optimization": {"stage": 2, "reduce_bucket_size": SMALL_BUCKET}}
+        engine = build(2, "bf16", False, **(small if run == "deepspeed" else {}))
+        opt = engine.optimizer
+        out[f"{run}_reduce_bucket_size"] = int(opt.reduce_bucket_size)
+        seen: dict[str, Any] = {}
+        setup = opt.setup_buckets
+
+        def spy(setup: Any = setup, seen: dict[str, Any] = seen, opt: Any = opt) -> Any:
+            result = setup()  # the buffers exist from here until the backward's epilogue
+            seen.setdefault("buffers", {
+                str(d).removeprefix("torch."): [(b.numel(), str(b.dtype).removeprefix("torch.")) for b in bucket.buffer]
+                for d, bucket in opt.ipg_buckets.items()
+            })  # fmt: skip
+            return result
+
+        opt.setup_buckets = spy
+        tokens, target = batch(0, 0, _rank())
+        engine.backward(loss_fn(engine, tokens, target))
+        out[f"{run}_buffers"] = seen.get("buffers")
+        opt.setup_buckets = setup
+        engine.step()
+        out[f"{run}_losses"] = train(engine, STEPS, GAS, first=1)
+        out[f"{run}_masters"] = {n: t.tolist() for n, t in masters(engine).items()}
+        out["overlap_comm"] = bool(opt.overlap_comm)
+        zerohooks.detach(engine)
+    model = make_model()
+    out["numel"] = {n: p.numel() for n, p in model.named_parameters()}
+    return out

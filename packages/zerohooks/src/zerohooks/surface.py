@@ -135,6 +135,10 @@ SURFACE: tuple[Internal, ...] = (
         (1, 2),
         patch="process_gradients get_param_comm_dtype get_gradient_for_reduction allreduce_and_copy_with_multiple_ranks allreduce_bucket gradient_reduction_w_predivide",
         read="gradient_predivide_factor dp_process_group flatten gradient_average ipg_buckets communication_data_type bit16_groups sequence_parallel_size real_dp_process_group",
+        # the IPG buffers sized to their buckets once reduce_dtype hooks split the gradients
+        # (adapter/zero12._fit_bucket_buffers); without these DeepSpeed's own sizes stay
+        optional_patch="setup_buckets",
+        optional="ready_for_gradients contiguous_gradients overlap_comm reduce_bucket_size _gradient_reduction_buffer_dtype",
     ),
     # ZeRO 3: gradient hand-off, communication dtype, reduce-scatter, all-gather dtype
     *_entries(

@@ -32,6 +32,79 @@ def _ensure_buckets(att: Attachment, opt: Any) -> None:
                 buckets[dtype] = bucket_cls()
 
 
+_FIT_NEEDS = (
+    "setup_buckets",
+    "ready_for_gradients",
+    "contiguous_gradients",
+    "overlap_comm",
+    "reduce_bucket_size",
+)
+"""Read (and ``setup_buckets`` wrapped) to size the IPG buffers; optional: without them DeepSpeed's
+own sizes stay (memory only)."""
+
+
+def _bucket_needs(att: Attachment, opt: Any) -> dict[torch.dtype, int]:
+    """Elements each IPG bucket can ever hold at once: the gradients routed to its communication
+    dtype that go through the contiguous buffer (DeepSpeed sends a gradient larger than
+    ``reduce_bucket_size`` on its own), capped at ``reduce_bucket_size``."""
+    limit = int(opt.reduce_bucket_size)
+    default = opt.communication_data_type
+    need: dict[torch.dtype, int] = {}
+    for group in opt.bit16_groups:
+        for p in group:
+            if p.numel() <= limit:
+                dtype = att.comm_dtype(p, default)
+                need[dtype] = need.get(dtype, 0) + p.numel()
+    return {dtype: min(n, limit) for dtype, n in need.items()}
+
+
+def _fit_bucket_buffers(att: Attachment, opt: Any) -> None:
+    """Size each IPG bucket's buffers to what it can hold, once ``reduce_dtype`` hooks split the
+    gradients over several buckets.  DeepSpeed gives every bucket ``reduce_bucket_size`` elements
+    (500 M by default, two buffers with ``overlap_comm``): a bucket for a few MB of fp32
+    LayerNorm gradients took 1 GB of GPU memory (mixedlayers on an H100, benchmarks/RESULTS.md).
+    The buckets that need less get buffers of their size instead, allocated in DeepSpeed's place,
+    same dtype and device; DeepSpeed flushes a bucket before it would overflow
+    ``reduce_bucket_size``, and the bucket never holds more than its gradients."""
+    if any(not hasattr(opt, n) for n in _FIT_NEEDS) or not hasattr(opt, "_gradient_reduction_buffer_dtype"):
+        return
+    needs = _bucket_needs(att, opt)
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def setup_buckets() -> Any:
+            buckets = opt.ipg_buckets
+            limit = int(opt.reduce_bucket_size)
+            small = [d for d in buckets if needs.get(d, limit) < limit]
+            if opt.ready_for_gradients or not opt.contiguous_gradients or not small:
+                return original()
+            order = list(buckets)
+            held = {d: buckets.pop(d) for d in small}
+            try:
+                result = original()
+                dtype = opt._gradient_reduction_buffer_dtype()
+                for d, bucket in held.items():
+                    device = bucket.buffer[0].device if bucket.buffer else _device()
+                    bucket.buffer.clear()
+                    for _ in range(2 if opt.overlap_comm else 1):
+                        bucket.buffer.append(torch.empty(needs[d], dtype=dtype, device=device))
+                    bucket.index = 0
+            finally:
+                rest = dict(buckets)
+                buckets.clear()
+                buckets.update((d, held[d] if d in held else rest[d]) for d in order)
+            return result
+
+        return setup_buckets
+
+    att.patch(opt, "setup_buckets", make, _OPT)
+
+
+def _device() -> Any:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().current_device_name()
+
+
 def install(att: Attachment) -> None:
     opt = att.engine.optimizer
     reg = att.registry
@@ -52,6 +125,7 @@ def install(att: Attachment) -> None:
 
     if att.patch_comm_dtype(opt, _OPT):
         _ensure_buckets(att, opt)
+        _fit_bucket_buffers(att, opt)
 
     if reg.reduce_tensor.frozen:
 
