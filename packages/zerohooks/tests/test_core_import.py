@@ -241,3 +241,23 @@ def test_initialize_routes_deepspeed_op_builds_only_while_it_runs(
     assert any("zh_probe_during" in n for n in stored), stored
     assert not any("zh_probe_after" in n for n in stored), stored
     assert (builds / "zh_probe_after").is_dir() and (builds / "zh_probe_during").is_dir()
+
+
+def test_enable_routes_op_builds_until_its_last_handle_is_removed() -> None:
+    import deepspeed
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    import zerohooks
+
+    ds_jit_load, ds_initialize = OpBuilder.jit_load, deepspeed.initialize
+    first = zerohooks.enable()
+    second = zerohooks.enable()
+    routed = OpBuilder.jit_load
+    assert routed is not ds_jit_load and routed.__wrapped__ is ds_jit_load  # type: ignore[attr-defined]
+    first.remove()
+    assert OpBuilder.jit_load is routed and zerohooks.enabled()  # one handle still held
+    second.remove()
+    assert OpBuilder.jit_load is ds_jit_load and deepspeed.initialize is ds_initialize
+    with zerohooks.route_deepspeed_op_builds() as handle:
+        assert handle.active and OpBuilder.jit_load is not ds_jit_load
+    assert OpBuilder.jit_load is ds_jit_load
