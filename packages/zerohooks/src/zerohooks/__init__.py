@@ -68,7 +68,17 @@ _SHADOWED = {"enable": "enable", "initialize": "initialize"}
 def __getattr__(name: str) -> Any:
     where = _LAZY.get(name)
     if where is not None:
-        value = getattr(importlib.import_module(where), name)
+        try:
+            value = getattr(importlib.import_module(where), name)
+        except ImportError as e:
+            if (e.name or "").split(".")[0] != "deepspeed" and "deepspeed" not in str(e):
+                raise
+            raise ImportError(
+                f"zerohooks.{name} needs DeepSpeed, which cannot be imported here ({e}); the core "
+                "(hookspec, registry, plugin, config, errors) works without it. Install zerohooks' "
+                "DeepSpeed: pip install zerohooks (it pins a supported release)",
+                name=e.name,
+            ) from e
         globals()[name] = value
         return value
     if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
