@@ -26,7 +26,6 @@ Environment variables:
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import json
 import os
@@ -62,60 +61,14 @@ JUNIT_DIR = ROOT / "reports" / "ci" / "junit"
 LINT_PATHS = ("packages", "tests", "examples", "benchmarks", "tools", "noxfile.py")
 
 
-class Package(str, enum.Enum):
-    """Every package this monorepo knows; a member counts only once packages/<name>/ exists."""
+# The packages: every packages/<name>/ with a pyproject.toml (tools/monorepo.py reads them; adding
+# a package is adding its folder, nothing here names one)
+sys.path.insert(0, str(ROOT / "tools"))
+from monorepo import Package  # noqa: E402  (standard library only)
+from monorepo import packages as _packages  # noqa: E402
 
-    zerohooks = "zerohooks"
-    accumdtype = "accumdtype"
-    autocastzero = "autocastzero"
-    mixedlayers = "mixedlayers"
-    loco = "loco"
-    nvmeswap = "nvmeswap"
-
-    @property
-    def path(self) -> Path:
-        return PACKAGES_DIR / self.value
-
-    @property
-    def rel(self) -> str:
-        return f"packages/{self.value}"
-
-    @property
-    def dist(self) -> str:
-        """Distribution name (pip install ...): plugins carry a prefix, `loco` is taken on PyPI."""
-        return "zerohooks" if self is Package.zerohooks else f"zerohooks-{self.value}"
-
-    @property
-    def module(self) -> str:
-        return self.value
-
-    @property
-    def src(self) -> Path:
-        return self.path / "src"
-
-    @property
-    def tests(self) -> Path:
-        return self.path / "tests"
-
-    @property
-    def exists(self) -> bool:
-        return (self.path / "pyproject.toml").is_file()
-
-    def extras(self) -> list[str]:
-        """The optional-dependency groups this package declares (we use `test` when present)."""
-        data = tomllib.loads((self.path / "pyproject.toml").read_text(encoding="utf-8"))
-        return sorted(data.get("project", {}).get("optional-dependencies", {}))
-
-
-PACKAGES = [p for p in Package if p.exists]
-
-for _unknown in sorted(PACKAGES_DIR.glob("*/pyproject.toml")):
-    if _unknown.parent.name not in Package.__members__:
-        print(
-            f"noxfile.py: warning: {_unknown.parent.relative_to(ROOT)} is not in the Package enum; "
-            "add it there to test it",
-            file=sys.stderr,
-        )
+PACKAGES = _packages(ROOT)
+CORE = next(p for p in PACKAGES if p.is_core)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -183,7 +136,7 @@ def _install(
     local = list(local)
     extra: list[str] = []
     for pkg in local:
-        spec = f"{pkg.rel}[test]" if "test" in pkg.extras() else pkg.rel
+        spec = f"{pkg.rel}[test]" if "test" in pkg.extras else pkg.rel
         extra += ["-e", spec]
         if session.venv_backend == "uv":  # uv does not reinstall local packages on its own
             extra += ["--reinstall-package", pkg.dist]
@@ -331,7 +284,7 @@ def _check_install(
 ) -> None:
     """Fail the session if any of our packages resolves to something not built from this tree."""
     cfg = {
-        "known": {p.dist: {"module": p.module, "src": str(p.src)} for p in Package},
+        "known": {p.dist: {"module": p.module, "src": str(p.src)} for p in PACKAGES},
         "expected": sorted(p.dist for p in expected),
         "isolated": isolated,
         "mode": mode,
@@ -376,17 +329,17 @@ def _pytest(session: nox.Session, folder: Path) -> None:
 
 
 @nox.session(tags=["tests"])
-@nox.parametrize("package", [nox.param(p, id=p.value) for p in PACKAGES])
+@nox.parametrize("package", [nox.param(p, id=p.name) for p in PACKAGES])
 def tests(session: nox.Session, package: Package) -> None:
     """One package in isolation: only it and zerohooks, editable from the tree, plus pytest."""
     _prepare(session)
-    wanted = [Package.zerohooks] if package is Package.zerohooks else [Package.zerohooks, package]
+    wanted = [CORE] if package.is_core else [CORE, package]
     _install(session, _dev_requirement("pytest"), _dev_requirement("pytest-timeout"), local=wanted)
     _check_install(session, wanted, isolated=True)
     if not _has_tests(package.tests):
         session.skip(f"{package.rel}/tests has no test files yet: nothing to run")
     _use_jit_dir(session)
-    if package is Package.nvmeswap:
+    if package.name == "nvmeswap":
         # nvmeswap's bit-identity oracle is DeepSpeed's own NVMe offload: build its async_io op
         # (minutes, once per venv) where libaio is installed; the test skips where it is not
         session.env.setdefault("NVMESWAP_TEST_DS_NVME", "1")
@@ -511,7 +464,7 @@ def typecheck(session: nox.Session) -> None:
         try:
             session.run("mypy", str(target.relative_to(ROOT)))
         except nox.command.CommandFailed:
-            failed.append(pkg.value)
+            failed.append(pkg.name)
     if failed:
         session.error(f"mypy failed for: {', '.join(failed)}")
 
@@ -643,7 +596,7 @@ def _install_once(session: nox.Session, requirements: list[Path]) -> None:
     files = [p.path / "pyproject.toml" for p in PACKAGES] + [*requirements, ROOT / "pyproject.toml"]
     if constraints is not None:
         files.append(constraints)
-    fingerprint = install_fingerprint(files, [*args, *_pin_args(), *(p.value for p in PACKAGES)])
+    fingerprint = install_fingerprint(files, [*args, *_pin_args(), *(p.name for p in PACKAGES)])
     venv = Path(session.virtualenv.location)
     if venv_up_to_date(venv, fingerprint) and os.environ.get("ZEROHOOKS_REINSTALL", "") in ("", "0"):
         session.log(

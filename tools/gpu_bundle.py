@@ -11,7 +11,7 @@ comes in the folder:
     DIR/wheels/                installed always: DeepSpeed (a pure wheel, ``DS_BUILD_OPS=0``),
                                pydantic with its exactly pinned pydantic_core, annotated_types,
                                typing_inspection, typing_extensions, hjson, pytest (the suite's
-                               own: the project needs pytest >= 9) and the six packages
+                               own: the project needs pytest >= 9) and the project's packages
     DIR/wheels-if-missing/M/   installed only where ``import M`` fails: DeepSpeed's other
                                requirements (einops, msgpack, ninja, numpy, packaging, psutil,
                                cpuinfo, tqdm), so the machine's own copies are not shadowed
@@ -25,8 +25,9 @@ comes in the folder:
 
 Third-party wheels are downloaded (``pip download --only-binary``, binary ones for the target
 Python and platform) at the versions of this environment where it has them, and kept in a
-cache (``--cache``; a second bundle needs no network for them); the six packages' wheels are
-built from the working tree every time.  The folder must stay under ``--max-mib`` (64).
+cache (``--cache``; a second bundle needs no network for them); the packages' wheels (every
+``packages/<name>/``, see tools/monorepo.py) are built from the working tree every time.  The
+folder must stay under ``--max-mib`` (64).
 """
 
 from __future__ import annotations
@@ -45,7 +46,11 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("zerohooks", "accumdtype", "autocastzero", "mixedlayers", "loco", "nvmeswap")
+sys.path.insert(0, str(ROOT / "tools"))  # also when loaded by path, not run
+from monorepo import packages  # noqa: E402  (standard library only)
+
+PACKAGES = tuple(p.name for p in packages(ROOT))
+"""The project's packages: every packages/<name>/ with a pyproject.toml (tools/monorepo.py)."""
 ALWAYS = (
     "pydantic",
     "annotated-types",
@@ -170,7 +175,7 @@ def _deepspeed(version: str, cache: Path) -> Path:
 
 
 def _own_wheels(dest: Path) -> None:
-    """The six packages' wheels, built from the working tree: with ``uv build`` where uv is
+    """The packages' wheels, built from the working tree: with ``uv build`` where uv is
     installed (it keeps the build backend's environment: seconds), else ``pip wheel``."""
     uv = shutil.which("uv")
     if uv:

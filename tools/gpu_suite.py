@@ -40,10 +40,12 @@ from bench_gpu_pairs import AIO_PROBE, DONE_TAG, aio_probe_reason  # noqa: E402
 from bench_gpu_pairs import markdown as pairs_markdown  # noqa: E402  (standard library only)
 from bench_multirank import DONE_TAG as MULTIRANK_DONE  # noqa: E402
 from bench_multirank import markdown as multirank_markdown  # noqa: E402
+from monorepo import native_plugins, packages  # noqa: E402  (standard library only)
 
 RENDER = {"pairs": pairs_markdown, "nvme": pairs_markdown, "multirank": multirank_markdown}
 
 INFO = r"""
+MODULES = MODULES_HERE
 import ctypes.util, json, os, platform, sys
 info = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()}
 try:
@@ -57,7 +59,7 @@ try:
     info["torch_cuda_home"] = cpp_extension.CUDA_HOME
 except Exception as e:
     info["torch_error"] = repr(e)
-for mod in ("deepspeed", "pydantic", "zerohooks", "accumdtype", "autocastzero", "mixedlayers", "loco", "nvmeswap", "pytest"):
+for mod in ("deepspeed", "pydantic", *MODULES, "pytest"):
     try:
         m = __import__(mod)
         info[mod] = getattr(m, "__version__", "?") + " " + os.path.dirname(m.__file__ or "")
@@ -68,6 +70,7 @@ for k in ("TORCH_CUDA_ARCH_LIST", "CUDA_HOME", "MAX_JOBS", "TORCH_EXTENSIONS_DIR
     info[k] = os.environ.get(k)
 print("SUITE_INFO " + json.dumps(info), flush=True)
 """
+INFO = INFO.replace("MODULES_HERE", repr(tuple(p.module for p in packages(ROOT))))
 
 AIO_BUILD = r"""
 from deepspeed.ops.op_builder import AsyncIOBuilder
@@ -388,13 +391,13 @@ class Suite:
             self.verdict(rec, got, f"{len(works)} of {len(ops)} operations work on both ranks")
 
     def build(self, cpus: int, no_gpu: str | None, background: bool) -> None:
-        """The plugins' kernels: loco and nvmeswap side by side where there are >= 4 cores."""
+        """The plugins' kernels (loco's and nvmeswap's today) side by side where there are >= 4 cores."""
         rec = self.pre("build", no_gpu)
         if rec is None:
             return
         py, t = sys.executable, time.time()
         end, by = self.window("build")
-        targets = ["loco", "nvmeswap"]
+        targets = native_plugins(ROOT)  # the plugins that ship kernels (tools/monorepo.py)
         parallel = cpus >= 4
         share = max(1, cpus // (len(targets) + int(background))) if parallel else cpus
         groups = (

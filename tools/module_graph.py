@@ -19,26 +19,22 @@ from __future__ import annotations
 
 import argparse
 import ast
-import importlib.util
+import sys
 from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# the reader is one self-contained file: load it alone (importing zerohooks would import DeepSpeed)
-_spec = importlib.util.spec_from_file_location(
-    "_imports", ROOT / "packages" / "zerohooks" / "src" / "zerohooks" / "testing" / "imports.py"
-)
-assert _spec is not None and _spec.loader is not None
-_imports = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_imports)
-cycles, edges = _imports.cycles, _imports.edges
+sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "packages" / "zerohooks" / "src"))  # this checkout's, installed or not
+from monorepo import plugins  # noqa: E402  (standard library only)
 
-PLUGINS = ("accumdtype", "autocastzero", "mixedlayers", "loco", "nvmeswap")
+from zerohooks.testing.imports import cycles, edges  # noqa: E402  (zerohooks' core: no DeepSpeed)
 
 
 def summary(checkout: Path) -> dict[str, object]:
     """Counts and edges of one checkout's ``packages/*/src`` trees."""
     graph = edges(sorted((checkout / "packages").glob("*/src")))
+    names = tuple(p.module for p in plugins(checkout))  # the checkout's own plugin packages
     rings = cycles(graph)
     ring_of = {m: k for k, ring in enumerate(rings) for m in ring}
     top = Counter((a.split(".")[0], b.split(".")[0]) for a, b in graph)
@@ -49,8 +45,9 @@ def summary(checkout: Path) -> dict[str, object]:
         "modules": len({m for e in graph for m in e}),
         "edges": len(graph),
         "zerohooks_to_plugin": sorted(
-            (a, b) for a, b in graph if a.startswith("zerohooks") and b.split(".")[0] in PLUGINS
+            (a, b) for a, b in graph if a.startswith("zerohooks") and b.split(".")[0] in names
         ),
+        "plugins": names,
         "packages": {f"{a} -> {b}": n for (a, b), n in sorted(top.items()) if a != b},
     }
 
@@ -105,8 +102,9 @@ def draw(panels: list[tuple[str, dict[str, object]]], path: Path) -> None:
         for d, names in rows.items():
             for k, n in enumerate(names):
                 pos[n] = ((k + 0.5) / len(names), d + (0.25 if k % 2 else 0.0))
-        for k, p in enumerate(PLUGINS):
-            pos[p] = ((k + 0.5) / len(PLUGINS), top)
+        names: tuple[str, ...] = s["plugins"]  # type: ignore[assignment]
+        for k, p in enumerate(names):
+            pos[p] = ((k + 0.5) / len(names), top)
         # each plugin drawn as one box: its modules' edges collapse onto it
         collapsed = {(_node(a), _node(b)) for a, b in graph}
         red_boxes = {(_node(a), _node(b)) for a, b in red}
@@ -123,7 +121,7 @@ def draw(panels: list[tuple[str, dict[str, object]]], path: Path) -> None:
                 zorder=2 if bad else 1,
             )
         for n, (x, y) in pos.items():
-            plugin = n in PLUGINS
+            plugin = n in names
             ax.text(
                 x,
                 y,

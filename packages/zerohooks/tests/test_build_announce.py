@@ -96,13 +96,14 @@ def test_deepspeed_op_builds_are_announced(
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(OpBuilder, "jit_load", fake_jit_load)
-    assert _compat.announce_deepspeed_op_builds()
-    assert _compat.announce_deepspeed_op_builds()  # idempotent: wrapped once
 
     class Shm:
         name = "deepspeed_shm_comm"
 
-    assert OpBuilder.jit_load(Shm()) == "module"  # type: ignore[arg-type]
+    with _compat.route_deepspeed_op_builds(), _compat.route_deepspeed_op_builds():  # nested: wrapped once
+        assert OpBuilder.jit_load.__wrapped__ is fake_jit_load  # type: ignore[attr-defined]
+        assert OpBuilder.jit_load(Shm()) == "module"  # type: ignore[arg-type]
+    assert OpBuilder.jit_load is fake_jit_load  # put back by the last handle
     assert calls == ["deepspeed_shm_comm"]
     err = capsys.readouterr().err
     assert "building DeepSpeed's deepspeed_shm_comm op" in err

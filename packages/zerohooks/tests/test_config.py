@@ -198,12 +198,29 @@ def test_unsupported_deepspeed_versions() -> None:
             check_deepspeed_version(bad)
 
 
-def test_import_refuses_unsupported_deepspeed() -> None:
-    """The real import path: DeepSpeed reporting an unsupported version makes ``import zerohooks`` fail."""
-    code = "import deepspeed; deepspeed.__version__ = '0.16.4'; import zerohooks"
+def test_first_use_refuses_unsupported_deepspeed() -> None:
+    """The real path: with DeepSpeed reporting an unsupported version, ``import zerohooks`` works
+    (the core needs no DeepSpeed) and ``zerohooks.initialize`` / ``zerohooks.enable``, where
+    zerohooks first uses DeepSpeed, refuse before changing anything."""
+    code = textwrap.dedent(
+        """
+        import deepspeed
+        deepspeed.__version__ = "0.16.4"
+        ds_initialize = deepspeed.initialize
+        import zerohooks
+        for call in (lambda: zerohooks.initialize(model=None), zerohooks.enable):
+            try:
+                call()
+            except zerohooks.UnsupportedDeepSpeedError as e:
+                print("REFUSED", e)
+        assert deepspeed.initialize is ds_initialize and not zerohooks.enabled()
+        """
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0
-    assert "UnsupportedDeepSpeedError" in r.stderr and "DeepSpeed 0.16.4 is installed" in r.stderr
+    assert r.returncode == 0, r.stderr
+    refused = [ln for ln in r.stdout.splitlines() if ln.startswith("REFUSED")]
+    assert len(refused) == 2, r.stdout
+    assert all("DeepSpeed 0.16.4 is installed" in ln and ">=0.19.8" in ln for ln in refused), refused
 
 
 def test_entry_point_discovery(tmp_path) -> None:

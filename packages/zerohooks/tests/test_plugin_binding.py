@@ -140,3 +140,19 @@ def test_a_plugin_object_serves_one_engine_at_a_time() -> None:
         zerohooks.initialize(model=model, model_parameters=model.parameters(), config=cfg, plugins=[refused])
     assert not refused.in_use
     train(build(refused), 1, 2)
+
+
+def test_the_guarded_methods_are_named_and_nothing_else_is_wrapped() -> None:
+    def attach(self: ZeroPlugin, registry: HookRegistry, ctx: zerohooks.SetupContext) -> None:
+        pass
+
+    def engine_ready(self: ZeroPlugin, engine: object, registry: HookRegistry) -> None:
+        pass
+
+    cls = type("_Guarded", (ZeroPlugin,), {"name": "guarded", "attach": attach, "engine_ready": engine_ready})
+    assert ZeroPlugin.GUARDED == ("edit_deepspeed_config", "attach", "close")
+    assert cls.attach is not attach and cls.attach.__wrapped__ is attach  # type: ignore[attr-defined]
+    assert cls.attach.__name__ == "attach"
+    assert cls.engine_ready is engine_ready  # not guarded: left as written
+    sub = type("_Sub", (cls,), {})  # inherits the wrapped method: not wrapped twice
+    assert sub.attach is cls.attach

@@ -2,31 +2,28 @@
 
 ``zerohooks.initialize`` replaces ``deepspeed.initialize``; plugins found through the
 ``zerohooks.plugins`` entry-point group are enabled by their section in the DeepSpeed config.
+
+Importing zerohooks imports no DeepSpeed and changes nothing in it.  The core (hook specs,
+registry, plugin base, plugin config, errors) is imported here; the names that need DeepSpeed
+(``initialize``, ``enable``, the adapter's, ...) are imported when first used (module
+``__getattr__``), and the installed DeepSpeed's version is checked by ``initialize`` and
+``enable``, where zerohooks first uses it.  The one thing import does register is the exit guard
+(:mod:`zerohooks.exitguard`): an ``atexit`` handler that waits for idle gloo workers, registered
+at import so that it runs after the handlers a script registers later.
 """
 
 from __future__ import annotations
 
-import deepspeed as _deepspeed
+import importlib
+import importlib.util
+import sys
+import types
+from typing import Any
 
+from zerohooks import exitguard  # gloo exits without std::terminate (an atexit handler; no DeepSpeed)
 from zerohooks.__about__ import __version__
-from zerohooks._compat import (
-    SUPPORTED_DEEPSPEED,
-    announce_deepspeed_op_builds,
-    check_deepspeed_version,
-    next_loss_scale,
-    skip_deepspeed_compiles,
-)
-
-check_deepspeed_version(_deepspeed.__version__)
-announce_deepspeed_op_builds()  # DeepSpeed's minutes-long JIT builds say so when they start
-
-from zerohooks import exitguard, watchdog  # noqa: E402  (exitguard: gloo exits without std::terminate)
-from zerohooks.adapter import Attachment, attachment, detach, step_context  # noqa: E402
-from zerohooks.adapter.dsfiles import trust_checkpoint_code  # noqa: E402
-from zerohooks.config import ENTRY_POINT_GROUP, KNOWN_PLUGINS, available_plugins  # noqa: E402
-from zerohooks.counters import CommCounters  # noqa: E402
-from zerohooks.enable import enable, enabled  # noqa: E402
-from zerohooks.errors import (  # noqa: E402
+from zerohooks.config import ENTRY_POINT_GROUP, KNOWN_PLUGINS, available_plugins
+from zerohooks.errors import (
     CheckpointDiskFullError,
     CheckpointSaveError,
     CheckpointStateError,
@@ -37,16 +34,76 @@ from zerohooks.errors import (  # noqa: E402
     RankFailedError,
     UnsupportedDeepSpeedError,
 )
-from zerohooks.hookspec import (  # noqa: E402
+from zerohooks.hookspec import (
     GradientReducer,
     ParameterGatherer,
     ReduceBucket,
     SetupContext,
     StepContext,
+    next_loss_scale,
 )
-from zerohooks.initialize import initialize  # noqa: E402
-from zerohooks.plugin import PluginConfig, PluginInUseError, ZeroPlugin  # noqa: E402
-from zerohooks.registry import FIRST, LAST, HookRegistry, OwnerConflictError, RemovableHandle  # noqa: E402
+from zerohooks.plugin import PluginConfig, PluginInUseError, ZeroPlugin
+from zerohooks.registry import FIRST, LAST, HookRegistry, OwnerConflictError, RemovableHandle
+
+_LAZY: dict[str, str] = {
+    "SUPPORTED_DEEPSPEED": "zerohooks._compat",
+    "route_deepspeed_op_builds": "zerohooks._compat",
+    "skip_deepspeed_compiles": "zerohooks._compat",
+    "Attachment": "zerohooks.adapter",
+    "attachment": "zerohooks.adapter",
+    "detach": "zerohooks.adapter",
+    "step_context": "zerohooks.adapter",
+    "trust_checkpoint_code": "zerohooks.adapter.dsfiles",
+    "CommCounters": "zerohooks.counters",
+    "enable": "zerohooks.enable",
+    "enabled": "zerohooks.enable",
+    "initialize": "zerohooks.initialize",
+}
+"""Public names that need DeepSpeed (or torch), by the module they come from: imported on first use."""
+
+_SHADOWED = {"enable": "enable", "initialize": "initialize"}
+"""Submodules named like the function they define: ``zerohooks.initialize`` is the function."""
+
+
+def __getattr__(name: str) -> Any:
+    where = _LAZY.get(name)
+    if where is not None:
+        try:
+            value = getattr(importlib.import_module(where), name)
+        except ImportError as e:
+            if (e.name or "").split(".")[0] != "deepspeed" and "deepspeed" not in str(e):
+                raise
+            raise ImportError(
+                f"zerohooks.{name} needs DeepSpeed, which cannot be imported here ({e}); the core "
+                "(hookspec, registry, plugin, config, errors) works without it. Install zerohooks' "
+                "DeepSpeed: pip install zerohooks (it pins a supported release)",
+                name=e.name,
+            ) from e
+        globals()[name] = value
+        return value
+    if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        # a submodule (zerohooks.watchdog, zerohooks.adapter, ...), as an eager import bound them
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module 'zerohooks' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+class _Package(types.ModuleType):
+    """zerohooks itself: importing the submodule ``zerohooks.initialize`` (or ``enable``) binds
+    the package attribute to the function it defines, as ``from ... import initialize`` did when
+    everything was imported eagerly, so ``zerohooks.initialize(...)`` is the function whichever
+    was imported first."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _SHADOWED and isinstance(value, types.ModuleType):
+            value = getattr(value, _SHADOWED[name])
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -85,6 +142,7 @@ __all__ = [
     "exitguard",
     "initialize",
     "next_loss_scale",
+    "route_deepspeed_op_builds",
     "skip_deepspeed_compiles",
     "step_context",
     "trust_checkpoint_code",

@@ -1,8 +1,17 @@
-"""The DeepSpeed versions zerohooks supports, checked when zerohooks is imported."""
+"""The DeepSpeed side of the core: the supported versions (checked when DeepSpeed is first used,
+by ``zerohooks.initialize`` and ``zerohooks.enable``), DeepSpeed's own ``initialize``, and the
+routing of DeepSpeed's op builds through :mod:`zerohooks.nativecache` (installed explicitly, with
+a handle that removes it).
+
+Importing this module imports DeepSpeed but changes nothing in it.  The DeepSpeed-free core
+(``zerohooks.hookspec``, ``registry``, ``plugin``, ``config``, ``errors``) never imports it at
+module level."""
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 import warnings
 from typing import Any
 
@@ -11,16 +20,21 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from zerohooks.errors import DeepSpeedInternalMissing, UnsupportedDeepSpeedError
+from zerohooks.hookspec import next_loss_scale
+from zerohooks.registry import RemovableHandle
 
 __all__ = [
     "DEEPSPEED_SLOW_OPS",
     "SUPPORTED_DEEPSPEED",
-    "announce_deepspeed_op_builds",
     "check_deepspeed_version",
     "native_bf16",
+    "next_loss_scale",
+    "op_builds_routed",
     "original_initialize",
     "require_attr",
     "require_attrs",
+    "require_supported_deepspeed",
+    "route_deepspeed_op_builds",
     "skip_deepspeed_compiles",
     "skip_deepspeed_shm_op",
 ]
@@ -31,12 +45,25 @@ SUPPORTED_DEEPSPEED = SpecifierSet(">=0.19.8,<0.20")
 _OVERRIDE = "ZEROHOOKS_ALLOW_UNSUPPORTED_DEEPSPEED"
 
 _ORIGINAL_INITIALIZE: Any = deepspeed.initialize
-"""``deepspeed.initialize`` as DeepSpeed defined it, taken when zerohooks is first imported."""
+"""``deepspeed.initialize`` as DeepSpeed defined it, taken when this module is first imported:
+before ``zerohooks.initialize`` or ``zerohooks.enable`` exist (both import this module first),
+so never one of them."""
+
+_checked = False
 
 
 def original_initialize() -> Any:
     """DeepSpeed's own ``initialize`` (never a zerohooks router, whatever was assigned later)."""
     return _ORIGINAL_INITIALIZE
+
+
+def require_supported_deepspeed() -> None:
+    """:func:`check_deepspeed_version` on the installed DeepSpeed, once per process: called where
+    zerohooks first uses DeepSpeed (``zerohooks.initialize``, ``zerohooks.enable``), not on import."""
+    global _checked
+    if not _checked:
+        check_deepspeed_version(deepspeed.__version__)
+        _checked = True
 
 
 def check_deepspeed_version(version: str) -> None:
@@ -160,25 +187,21 @@ DEEPSPEED_SLOW_OPS: dict[str, tuple[str, str, str]] = {
 """DeepSpeed's just-in-time ops that take minutes to build, and how to avoid them."""
 
 
-def announce_deepspeed_op_builds() -> bool:
-    """Make DeepSpeed's just-in-time op builds announce themselves (see
-    :func:`zerohooks.jit.announce_build`): what, why, how long, how to avoid it, and a heartbeat
-    while it builds.  DeepSpeed itself only prints the time once it has finished.  Idempotent;
-    False when DeepSpeed's op builder has no ``jit_load`` to wrap."""
-    try:
-        from deepspeed.ops.op_builder.builder import OpBuilder
-    except Exception:
-        return False
-    original = getattr(OpBuilder, "jit_load", None)
-    if original is None:
-        return False
-    if getattr(original, "_zerohooks_announced", False):
-        return True
+_route_lock = threading.RLock()
+_route_handles: list[RemovableHandle] = []
+_route_installed: tuple[Any, Any, Any] | None = None
+"""(OpBuilder, DeepSpeed's jit_load, our wrapper) while the routing is installed."""
 
-    import functools
+
+def _routed_jit_load(original: Any) -> Any:
+    """DeepSpeed's ``OpBuilder.jit_load`` announcing the build (:func:`zerohooks.jit.announce_build`:
+    what, why, how long, how to avoid it, a heartbeat) and, with ``ZEROHOOKS_NATIVE_CACHE`` set,
+    building through :func:`zerohooks.nativecache.caching_load` (a build shared by environments,
+    never stale)."""
 
     @functools.wraps(original)
     def jit_load(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from zerohooks import nativecache
         from zerohooks.jit import announce_build, extension_cached
 
         name = str(getattr(self, "name", type(self).__name__))
@@ -186,45 +209,79 @@ def announce_deepspeed_op_builds() -> bool:
             name,
             ("DeepSpeed builds it just in time", "a minute or more", "python -m zerohooks.build --all"),
         )
-        from zerohooks import nativecache
-
+        announced = announce_build(
+            f"DeepSpeed's {name} op", why=why, eta=eta, hint=hint, cached=extension_cached(name)
+        )
         if nativecache.cache_dir() is None:
-            with announce_build(
-                f"DeepSpeed's {name} op", why=why, eta=eta, hint=hint, cached=extension_cached(name)
-            ):
+            with announced:
                 return original(self, *args, **kwargs)
-        # a build shared by other environments (ZEROHOOKS_NATIVE_CACHE): DeepSpeed's builder
-        # imports cpp_extension.load when it runs, so it finds the caching one for this call
+        # DeepSpeed's builder looks cpp_extension.load up when it runs: the caching one is put
+        # there for this call only, and the real one put back when the build returns
         from torch.utils import cpp_extension
 
         real = cpp_extension.load
         cpp_extension.load = nativecache.caching_load(real)
         try:
-            with announce_build(
-                f"DeepSpeed's {name} op", why=why, eta=eta, hint=hint, cached=extension_cached(name)
-            ):
+            with announced:
                 return original(self, *args, **kwargs)
         finally:
             cpp_extension.load = real
 
-    jit_load._zerohooks_announced = True  # type: ignore[attr-defined]
-    OpBuilder.jit_load = jit_load
-    return True
+    jit_load.__zerohooks_routed__ = True  # type: ignore[attr-defined]
+    return jit_load
 
 
-def next_loss_scale(engine: Any) -> float | None:
-    """The scale the engine's next loss will be multiplied by (see
-    :attr:`zerohooks.StepContext.next_loss_scale`): a loss scaler's ``next_scale`` when it has
-    one, else the ZeRO optimizer's ``cur_scale`` / ``loss_scale``; None when it has neither."""
-    opt = getattr(engine, "optimizer", None)
-    upcoming = getattr(getattr(opt, "loss_scaler", None), "next_scale", None)
-    if isinstance(upcoming, (int, float)):
-        return float(upcoming)
-    for name in ("cur_scale", "loss_scale"):
-        try:
-            value = getattr(opt, name, None)
-        except Exception:  # some optimizers raise from the property outside fp16 mode
-            value = None
-        if isinstance(value, (int, float)):
-            return float(value)
-    return None
+def op_builds_routed() -> bool:
+    """Whether DeepSpeed's op builds are routed now (some :func:`route_deepspeed_op_builds`
+    handle is active)."""
+    with _route_lock:
+        return _route_installed is not None
+
+
+def route_deepspeed_op_builds() -> RemovableHandle:
+    """Route DeepSpeed's just-in-time op builds (``OpBuilder.jit_load``) through zerohooks until
+    the returned handle is removed: each build announces itself (DeepSpeed only prints the time
+    once it has finished) and, with ``ZEROHOOKS_NATIVE_CACHE`` set, goes through
+    :mod:`zerohooks.nativecache`.
+
+    The only change zerohooks makes to a DeepSpeed class outside an engine's attachment, and
+    never on import: ``zerohooks.initialize`` holds a handle while it runs (DeepSpeed builds its
+    ops while it builds the engine), ``zerohooks.enable`` one until its own handle is removed,
+    ``python -m zerohooks.build`` one while it builds.  Handles nest: DeepSpeed's ``jit_load``
+    is put back when the last one is removed (``handle.remove()``, or leaving ``with``).  A
+    DeepSpeed without ``OpBuilder.jit_load`` is left as it is (the handle does nothing)."""
+    global _route_installed
+    with _route_lock:
+        if _route_installed is None:
+            try:
+                from deepspeed.ops.op_builder.builder import OpBuilder
+            except Exception:
+                return RemovableHandle(lambda: None, "zerohooks: DeepSpeed op builds (no OpBuilder)")
+            original = OpBuilder.__dict__.get("jit_load")
+            if original is None:
+                return RemovableHandle(lambda: None, "zerohooks: DeepSpeed op builds (no jit_load)")
+            wrapper = _routed_jit_load(original)
+            OpBuilder.jit_load = wrapper
+            _route_installed = (OpBuilder, original, wrapper)
+
+        def remove() -> None:
+            global _route_installed
+            with _route_lock:
+                _route_handles.remove(handle)
+                if _route_handles or _route_installed is None:
+                    return
+                owner, original, wrapper = _route_installed
+                _route_installed = None
+                if owner.__dict__.get("jit_load") is wrapper:
+                    owner.jit_load = original
+                else:  # somebody wrapped ours since: theirs stays, ours can no longer be taken out
+                    warnings.warn(
+                        "OpBuilder.jit_load was replaced after zerohooks routed it; zerohooks' "
+                        "routing stays under the replacement",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+
+        handle = RemovableHandle(remove, "zerohooks: DeepSpeed op builds routed")
+        _route_handles.append(handle)
+        return handle

@@ -130,19 +130,20 @@ def _ds_names(*kinds: str) -> Callable[[], list[str]]:
 
 def _ds_run(*kinds: str) -> Callable[[], str | None]:
     def run() -> str | None:
-        from zerohooks._compat import announce_deepspeed_op_builds
+        from zerohooks._compat import route_deepspeed_op_builds
 
-        announce_deepspeed_op_builds()
         errors = []
-        for kind in kinds:
-            builder = _ds_builder(kind)
-            if builder is None:
-                errors.append(f"{kind}: DeepSpeed has none for this accelerator")
-                continue
-            try:
-                builder.load()  # type: ignore[attr-defined]
-            except Exception as e:
-                errors.append(f"{kind}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+        with route_deepspeed_op_builds():  # announced, and shared through zerohooks.nativecache
+            for kind in kinds:
+                builder = _ds_builder(kind)
+                if builder is None:
+                    errors.append(f"{kind}: DeepSpeed has none for this accelerator")
+                    continue
+                try:
+                    builder.load()  # type: ignore[attr-defined]
+                except Exception as e:
+                    first = str(e).splitlines()[0][:300] if str(e) else ""
+                    errors.append(f"{kind}: {type(e).__name__}: {first}")
         return "; ".join(errors) or None
 
     return run

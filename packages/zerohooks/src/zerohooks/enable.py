@@ -18,7 +18,7 @@ from typing import Any
 
 import deepspeed
 
-from zerohooks._compat import original_initialize
+from zerohooks._compat import original_initialize, require_supported_deepspeed, route_deepspeed_op_builds
 from zerohooks.initialize import initialize
 from zerohooks.registry import RemovableHandle
 
@@ -29,6 +29,9 @@ _ORIGINAL: Any = original_initialize()
 _lock = threading.Lock()
 _handles: list[RemovableHandle] = []
 _router: Any = None
+_builds: RemovableHandle | None = None
+"""DeepSpeed's op builds routed while enabled (frameworks call ``deepspeed.init_distributed``,
+which builds an op on CPU, before they build the engine)."""
 
 
 def _make_router() -> Any:
@@ -58,8 +61,13 @@ def enable() -> RemovableHandle:
     taken is removed.  Calling it twice is harmless: the router is installed once.  A
     ``deepspeed.initialize`` that somebody else replaced (neither DeepSpeed's nor ours) is
     refused, since routing through it would silently drop one of the two.
+
+    Checks the installed DeepSpeed first (:class:`~zerohooks.errors.UnsupportedDeepSpeedError`)
+    and, while enabled, routes DeepSpeed's op builds through zerohooks
+    (:func:`zerohooks.route_deepspeed_op_builds`), undone with the router.
     """
-    global _router
+    global _router, _builds
+    require_supported_deepspeed()
     with _lock:
         current = deepspeed.initialize
         if not _handles:
@@ -71,12 +79,19 @@ def enable() -> RemovableHandle:
                 )
             _router = _make_router()
             deepspeed.initialize = _router
+            _builds = route_deepspeed_op_builds()
 
         def remove() -> None:
+            global _builds
             with _lock:
                 _handles.remove(handle)
-                if not _handles and deepspeed.initialize is _router:
+                if _handles:
+                    return
+                if deepspeed.initialize is _router:
                     deepspeed.initialize = _ORIGINAL
+                builds, _builds = _builds, None
+                if builds is not None:
+                    builds.remove()
 
         handle = RemovableHandle(remove, "zerohooks.enable")
         _handles.append(handle)

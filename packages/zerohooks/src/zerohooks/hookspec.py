@@ -41,6 +41,7 @@ __all__ = [
     "SetupContext",
     "StateProvider",
     "StepContext",
+    "next_loss_scale",
 ]
 
 
@@ -162,8 +163,6 @@ class StepContext:
         step to rescale.  A loss scaler whose ``cur_scale`` lags behind its update (as
         autocastzero's does, so that a step's gradients are unscaled by the scale they were
         made with) exposes the upcoming value as ``next_scale``, which takes precedence."""
-        from zerohooks._compat import next_loss_scale
-
         return next_loss_scale(self.engine)
 
 
@@ -366,3 +365,21 @@ class ParameterGatherer(abc.ABC):
         Every ``all_gather_into_tensor`` DeepSpeed issues on a routed group comes here, not only
         the parameters' (ZeRO 3's partitioned-buffer and fp32-state gathers use the same groups).
         """
+
+
+def next_loss_scale(engine: Any) -> float | None:
+    """The scale the engine's next loss will be multiplied by (see
+    :attr:`zerohooks.StepContext.next_loss_scale`): a loss scaler's ``next_scale`` when it has
+    one, else the ZeRO optimizer's ``cur_scale`` / ``loss_scale``; None when it has neither."""
+    opt = getattr(engine, "optimizer", None)
+    upcoming = getattr(getattr(opt, "loss_scaler", None), "next_scale", None)
+    if isinstance(upcoming, (int, float)):
+        return float(upcoming)
+    for name in ("cur_scale", "loss_scale"):
+        try:
+            value = getattr(opt, name, None)
+        except Exception:  # some optimizers raise from the property outside fp16 mode
+            value = None
+        if isinstance(value, (int, float)):
+            return float(value)
+    return None

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from zerohooks import watchdog
-from zerohooks._compat import original_initialize
+from zerohooks._compat import original_initialize, require_supported_deepspeed, route_deepspeed_op_builds
 from zerohooks.adapter import attach, attachment, detach
 from zerohooks.config import load_config, split_plugin_sections
 from zerohooks.dsconfig import check_zero_optimizer, engine_context, setup_context
@@ -125,7 +125,18 @@ def initialize(*args: Any, plugins: Sequence[ZeroPlugin] = (), **kwargs: Any) ->
     after the plugins attach): a failure on one rank is raised on every rank, naming the rank
     (:class:`~zerohooks.errors.RankFailedError` on the others), instead of leaving them waiting
     in DeepSpeed's first collective.
+
+    The installed DeepSpeed is checked against :data:`zerohooks.SUPPORTED_DEEPSPEED` first
+    (:class:`~zerohooks.errors.UnsupportedDeepSpeedError`), and DeepSpeed's op builds are routed
+    through zerohooks while the call runs (:func:`zerohooks.route_deepspeed_op_builds`; put back
+    when it returns or raises).
     """
+    require_supported_deepspeed()
+    with route_deepspeed_op_builds():
+        return _initialize(args, plugins, kwargs)
+
+
+def _initialize(args: tuple[Any, ...], plugins: Sequence[ZeroPlugin], kwargs: dict[str, Any]) -> Any:
     ds_initialize = original_initialize()  # DeepSpeed's own function, never a router: no recursion
     bound = inspect.signature(ds_initialize).bind(*args, **kwargs)
     params = bound.arguments

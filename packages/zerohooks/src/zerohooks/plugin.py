@@ -68,10 +68,22 @@ class ZeroPlugin:
     counters, the hooks it registered).  :meth:`attach` binds it to the engine's registry, and
     :meth:`close` (``zerohooks.detach(engine)``) releases it; handing a bound plugin to another
     ``zerohooks.initialize`` raises :class:`PluginInUseError` before anything is changed.  A
-    released plugin may be given to a new engine, where it starts afresh.  The binding is kept
-    by this base class around every subclass's ``edit_deepspeed_config``, ``attach`` and
-    ``close`` (subclasses need not call ``super()``).
+    released plugin may be given to a new engine, where it starts afresh.
+
+    **Guarded methods.**  The binding is kept by this base class around the three methods named
+    in :attr:`GUARDED`, whether or not a subclass calls ``super()``: when a subclass defines
+    one of them, :meth:`__init_subclass__` replaces it in the subclass by a wrapper
+    (``functools.wraps``: same name and docstring, the subclass's own function is its
+    ``__wrapped__``).  ``edit_deepspeed_config`` is refused on a plugin bound to another engine
+    and makes :attr:`deepspeed` readable while it runs; ``attach`` binds the plugin to the
+    registry before the subclass's body runs; ``close`` releases the binding after it, even when
+    it raises.  The wrapping is done once, at class creation, and is the same whoever calls the
+    method (``zerohooks.initialize``, ``zerohooks.detach`` or a test calling it directly); no
+    other method is touched.
     """
+
+    GUARDED: ClassVar[tuple[str, ...]] = ("edit_deepspeed_config", "attach", "close")
+    """The methods the base class wraps in every subclass that defines them (see above)."""
 
     name: ClassVar[str] = ""
     """Config section and entry-point name, e.g. ``"accumdtype"``."""
@@ -101,15 +113,13 @@ class ZeroPlugin:
             self.cfg = config
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Wrap the :attr:`GUARDED` methods this subclass defines in the base class's binding
+        (documented in the class docstring); a method already wrapped is left as it is."""
         super().__init_subclass__(**kwargs)
-        for method, wrap in (
-            ("edit_deepspeed_config", _checked),
-            ("attach", _binding),
-            ("close", _releasing),
-        ):
+        for method in ZeroPlugin.GUARDED:
             fn = cls.__dict__.get(method)
             if callable(fn) and not getattr(fn, "_zerohooks_binding", False):
-                setattr(cls, method, wrap(fn))
+                setattr(cls, method, _GUARDS[method](fn))
 
     # -- the binding to one engine -----------------------------------------------------------------
     @property
@@ -247,6 +257,14 @@ def _releasing(fn: F) -> F:
     return close  # type: ignore[return-value]
 
 
+_GUARDS: dict[str, Callable[[Any], Any]] = {
+    "edit_deepspeed_config": _checked,
+    "attach": _binding,
+    "close": _releasing,
+}
+"""The wrapper of each of :attr:`ZeroPlugin.GUARDED`."""
+
+# the base class's own methods carry the same guards (a subclass that does not override one)
 ZeroPlugin.edit_deepspeed_config = _checked(ZeroPlugin.edit_deepspeed_config)  # type: ignore[method-assign]
 ZeroPlugin.attach = _binding(ZeroPlugin.attach)  # type: ignore[method-assign]
 ZeroPlugin.close = _releasing(ZeroPlugin.close)  # type: ignore[method-assign]

@@ -86,6 +86,12 @@ def install_fp16_cpu_accelerator() -> None:
     set_accelerator(_FP16CPUAccelerator())
 
 
+rank_op_builds: Any = None
+"""In a rank of :func:`run_distributed`: the handle routing DeepSpeed's op builds through zerohooks
+for the rank's life (:func:`zerohooks.route_deepspeed_op_builds`); a test judging the routing
+itself removes it first."""
+
+
 def _skip_shm_op() -> None:
     """:func:`zerohooks._compat.skip_deepspeed_shm_op` in this rank, unless
     ``ZEROHOOKS_TEST_SHM_OP=1`` asks to build and load DeepSpeed's shared-memory op anyway."""
@@ -192,6 +198,12 @@ def _worker(
         import deepspeed
 
         _skip_shm_op()
+        # the tests' ranks build DeepSpeed's ops (plain DeepSpeed's too: the oracles) announced
+        # and through zerohooks.nativecache, as zerohooks.initialize does; for the rank's life
+        global rank_op_builds
+        from zerohooks._compat import route_deepspeed_op_builds
+
+        rank_op_builds = route_deepspeed_op_builds()
         deepspeed.init_distributed(dist_backend=opts.backend, verbose=False)
         if isinstance(target, tuple):  # (module, qualname) of a @distributed test
             mod, name = target
