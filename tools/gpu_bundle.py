@@ -225,10 +225,10 @@ def _debs(dest: Path, cache: Path) -> dict[str, object]:
     cannot be downloaded here (no apt-get, no package lists) is left out with the reason, so the
     bundle still works without it (the nvme section then says libaio is missing)."""
     out: dict[str, object] = {}
-    for lib, packages in DEBS_IF_MISSING.items():
+    for lib, debs in DEBS_IF_MISSING.items():
         where = cache / "debs" / lib
         where.mkdir(parents=True, exist_ok=True)
-        have = {p: sorted(where.glob(f"{p}_*.deb")) for p in packages}
+        have = {p: sorted(where.glob(f"{p}_*.deb")) for p in debs}
         missing = [p for p, found in have.items() if not found]
         if missing:
             try:
@@ -244,7 +244,7 @@ def _debs(dest: Path, cache: Path) -> dict[str, object]:
                 continue
         (dest / "debs-if-missing" / lib).mkdir(parents=True)
         names = []
-        for p in packages:
+        for p in debs:
             deb = sorted(where.glob(f"{p}_*.deb"))[-1]
             shutil.copy2(deb, dest / "debs-if-missing" / lib / deb.name)
             names.append(deb.name)
