@@ -36,6 +36,7 @@ from mixedlayers.under_autocast import AUTOCAST_PLUGIN, install_autocast_off, re
 from mixedlayers.zero3 import restore_zero3
 from mixedlayers.zero12 import fp32_accumulation_by_config, install_fp32_accumulation, install_fp32_staging
 from zerohooks import ConfigError, PluginConfig, SetupContext, ZeroPlugin
+from zerohooks.dsconfig import set_grad_accum_dtype
 from zerohooks.hookspec import GatherDtypeHook, PrepareModelHook, PrepareParametersHook, ReduceDtypeHook
 from zerohooks.registry import FIRST, LAST, HookRegistry
 
@@ -87,12 +88,11 @@ class MixedLayersPlugin(ZeroPlugin):
             # otherwise accumulate and partition every gradient in one buffer of the model dtype,
             # which would round the kept parameters' fp32 gradients.  The 16-bit parameters'
             # gradients then accumulate in fp32 too (2 more bytes per parameter of the partition).
-            data_types = ds_config.setdefault("data_types", {})
-            data_types["grad_accum_dtype"] = "fp32"
-        elif isinstance(ds_config.get("data_types"), dict):
+            set_grad_accum_dtype(ds_config, "fp32")
+        else:
             # fp32 (the only value check_deepspeed_config lets through) would make DeepSpeed build
             # its BF16_Optimizer on bf16 ZeRO 1; engine_ready switches the same accumulation on
-            ds_config["data_types"].pop("grad_accum_dtype", None)
+            set_grad_accum_dtype(ds_config, None)
 
     @override
     def attach(self, registry: HookRegistry, ctx: SetupContext) -> None:
