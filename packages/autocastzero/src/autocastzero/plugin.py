@@ -159,17 +159,9 @@ class AutocastZeroPlugin(ZeroPlugin):
         checkpoint load (DeepSpeed restores the ZeRO optimizer's pickled scaler object)."""
         params = [p for p in engine.module.parameters() if p.requires_grad] if stage == 0 else []
         scaler = ZeroLossScaler(scale)
-        installed = seams.own_loss_scaling(
-            att, zero_scaler=scaler, zero0_scaler=Zero0Scaler(scale, params), dynamic=scale.dynamic
+        return seams.own_loss_scaling(
+            att, zero_scaler=scaler, zero0=Zero0Scaler(scale, params), dynamic=scale.dynamic
         )
-        if stage == 0:
-            return installed
-
-        def reinstall() -> None:
-            scaler.in_use = scale.scale
-            installed()
-
-        return reinstall
 
     @override
     def close(self) -> None:

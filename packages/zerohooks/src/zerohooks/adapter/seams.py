@@ -25,10 +25,14 @@ from typing import Any
 import torch
 
 from zerohooks.adapter.base import Attachment
+from zerohooks.adapter.lossscale import OwnedLossScaler, ScaleOwner, Zero0GradScaler, Zero0Scaling
 from zerohooks.registry import RemovableHandle
 from zerohooks.surface import ENGINE, ZERO3, ZERO12
 
 __all__ = [
+    "OwnedLossScaler",
+    "ScaleOwner",
+    "Zero0Scaling",
     "accumulate_separately",
     "check_before_save",
     "own_loss_scaling",
@@ -94,18 +98,20 @@ def stage_buckets_in_own_dtype(att: Attachment, dtype: torch.dtype, size: int) -
 
 
 def own_loss_scaling(
-    att: Attachment, *, zero_scaler: Any, zero0_scaler: Any, dynamic: bool
+    att: Attachment, *, zero_scaler: OwnedLossScaler, zero0: Zero0Scaling, dynamic: bool
 ) -> Callable[[], None]:
-    """Scale the loss with the plugin's scaler on every stage, and check gradients for overflow
+    """Scale the loss with the plugin's scale on every stage, and check gradients for overflow
     whatever the parameters' dtype (DeepSpeed checks only fp16 ones).
 
-    ``zero_scaler``: a DeepSpeed ``LossScalerBase`` for ZeRO 1-3 (``cur_scale``, ``scale_loss``,
-    ``update_scale``); ``zero0_scaler``: a ``torch.amp.GradScaler``-like object for ZeRO 0, whose
-    engine calls ``scale``/``unscale_``/``step``/``update``.  Returns what to call after a
-    checkpoint load (DeepSpeed restores its own pickled scaler object on ZeRO 1-3)."""
+    ``zero_scaler``: an :class:`~zerohooks.adapter.lossscale.OwnedLossScaler` over the plugin's
+    :class:`~zerohooks.adapter.lossscale.ScaleOwner`, for ZeRO 1-3 (a plugin may subclass it to
+    give the object DeepSpeed pickles into checkpoints its own import path); ``zero0``: the
+    plugin's :class:`~zerohooks.adapter.lossscale.Zero0Scaling` for ZeRO 0, put in the engine's
+    GradScaler slot by a :class:`~zerohooks.adapter.lossscale.Zero0GradScaler`.  Returns what to
+    call after a checkpoint load (DeepSpeed restores its own pickled scaler object on ZeRO 1-3)."""
     engine, opt = att.engine, att.engine.optimizer
     if att.setup.zero_stage == 0:
-        att.patch(engine, "torch_autocast_z0_gradscaler", _constant(zero0_scaler), _E)
+        att.patch(engine, "torch_autocast_z0_gradscaler", _constant(Zero0GradScaler(zero0)), _E)
         if "overflow" not in vars(opt):
             opt.overflow = False  # read by the engine to count skipped steps
 
@@ -134,6 +140,7 @@ def own_loss_scaling(
         att.patch(opt, "check_grad_overflow", _constant(True), what)
 
     def reinstall() -> None:
+        zero_scaler.in_use = zero_scaler.state.scale
         opt.loss_scaler = zero_scaler
 
     return reinstall
