@@ -23,7 +23,9 @@ __all__ = ["ENGINE", "SURFACE", "ZERO3", "ZERO12", "Internal", "check", "check_o
 ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
 ZERO12 = "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer"
 ZERO3 = "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"
-_Z3_PRIVATE = "_DeepSpeedZeroOptimizer_Stage3__"
+ZERO3_PRIVATE = "_DeepSpeedZeroOptimizer_Stage3__"
+"""The name-mangling prefix of ZeRO 3's private attributes (written once, here)."""
+_Z3_PRIVATE = ZERO3_PRIVATE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +159,11 @@ SURFACE: tuple[Internal, ...] = (
         read="_get_param_group_idx _use_compact_grad_partition_buffer averaged_gradients grad_start_offset grad_partition_insertion_offset partition_size real_dp_process_group _get_compact_grad_partition_slice get_param_id contiguous_gradients reduce_bucket_size",
     ),
     *_entries(
-        "accumdtype", ENGINE, _ALL, patch="save_checkpoint", read="global_rank gradient_accumulation_steps"
+        "accumdtype",
+        ENGINE,
+        _ALL,
+        patch="save_checkpoint micro_steps",
+        read="global_rank gradient_accumulation_steps",
     ),
     *_entries(
         "accumdtype",
@@ -199,7 +205,8 @@ SURFACE: tuple[Internal, ...] = (
         "mixedlayers",
         ZERO3,
         (3,),
-        read="fp16_groups fp16_partitioned_groups fp16_partitioned_groups_flat fp32_partitioned_groups_flat",
+        patch="fp16_partitioned_groups fp16_partitioned_groups_flat",
+        read="fp16_groups fp32_partitioned_groups_flat",
     ),
     # -- nvmeswap: the NVMe optimizer-state path of ZeRO 3 -------------------------------------------
     *_entries(
