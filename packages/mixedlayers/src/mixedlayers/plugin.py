@@ -116,14 +116,14 @@ class MixedLayersPlugin(ZeroPlugin):
         if self.under_autocast:
             return
         stage = engine.zero_optimization_stage()
+        att = zerohooks.attachment(engine)
+        assert att is not None
         if stage == 3:
-            restore_zero3(engine.optimizer, state)
+            restore_zero3(att, state)
         elif stage in (1, 2):
-            att = zerohooks.attachment(engine)
-            assert att is not None
             if stage == 1 and not fp32_accumulation_by_config(att.setup):
-                install_fp32_accumulation(att, engine.optimizer)
-            install_fp32_staging(att, engine.optimizer)
+                install_fp32_accumulation(att)
+            install_fp32_staging(att)
         if not state.modules:
             raise RuntimeError(
                 "mixedlayers: the model was not prepared (pass model= to zerohooks.initialize)"

@@ -76,10 +76,24 @@ def widen_reduction_buffer(att: Attachment, dtype: torch.dtype) -> None:
     att.patch(att.engine.optimizer, "_gradient_reduction_buffer_dtype", make, _Z12)
 
 
-def stage_buckets_in_own_dtype(att: Attachment, dtype: torch.dtype, size: int) -> None:
+def stage_buckets_in_own_dtype(att: Attachment, dtype: torch.dtype) -> None:
     """ZeRO 1/2: the staging buffers of the bucket of communication dtype ``dtype`` are ``dtype``
-    (``size`` elements) each time DeepSpeed sets the buckets up (it allocates every bucket's
-    buffers in the model dtype)."""
+    each time DeepSpeed sets the buckets up (it allocates every bucket's buffers in the model
+    dtype), sized to what that bucket can ever hold: the parameters whose communication dtype is
+    ``dtype``, at most ``reduce_bucket_size`` elements.  Nothing is installed when gradients are
+    not staged (no ``contiguous_gradients``: they are flattened in their own dtype) or no
+    parameter is routed to that bucket."""
+    opt = att.engine.optimizer
+    if not opt.contiguous_gradients:
+        return
+    routed = [p for group in opt.bit16_groups for p in group if opt.get_param_comm_dtype(p) == dtype]
+    if not routed:
+        return
+    size = min(int(opt.reduce_bucket_size), sum(p.numel() for p in routed))
+    _stage_buckets(att, dtype, size)
+
+
+def _stage_buckets(att: Attachment, dtype: torch.dtype, size: int) -> None:
     opt = att.engine.optimizer
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
