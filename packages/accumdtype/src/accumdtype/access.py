@@ -38,7 +38,7 @@ __all__ = ["accum_state", "accumulation_bytes", "grad_accum", "grad_accum_range"
 def check_internals(optimizer: Any, stage: int) -> None:
     """Raise :class:`zerohooks.DeepSpeedInternalMissing` now, not at the first accessor call
     (what the adapter's gradient-partition view reads, :mod:`zerohooks.adapter.gradview`)."""
-    gradview.check_partition_view(optimizer, stage, "accumdtype")
+    gradview.check_partition_view(optimizer, stage)
 
 
 def accum_state(engine: Any) -> AccumState:

@@ -28,6 +28,13 @@ class AccumDtypePlugin(ZeroPlugin):
     """Gradient accumulation and reduction dtypes independent of the model dtype."""
 
     name = "accumdtype"
+    deepspeed_seams = (
+        "separate_accumulation",
+        "widen_reduction_buffer",
+        "check_before_save",
+        "gradient_partitions",
+    )
+    """The adapter seams this plugin uses (:data:`zerohooks.surface.SEAMS`)."""
     distribution = "zerohooks-accumdtype"
     Config = AccumDtypeConfig
     cfg: AccumDtypeConfig

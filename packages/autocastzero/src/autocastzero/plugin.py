@@ -103,6 +103,8 @@ class AutocastZeroPlugin(ZeroPlugin):
     """torch.autocast with fp32 parameters; 16-bit communication for lower-precision-safe modules."""
 
     name = "autocastzero"
+    deepspeed_seams = ("forward", "loss_scaling")
+    """The adapter seams this plugin uses (:data:`zerohooks.surface.SEAMS`)."""
     distribution = "zerohooks-autocastzero"
     Config = AutocastZeroConfig
     cfg: AutocastZeroConfig

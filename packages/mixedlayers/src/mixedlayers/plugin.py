@@ -60,6 +60,8 @@ class MixedLayersPlugin(ZeroPlugin):
     """Keep chosen modules of a 16-bit model in fp32, with casts at their boundaries."""
 
     name = "mixedlayers"
+    deepspeed_seams = ("separate_accumulation", "stage_buckets", "partition_retype")
+    """The adapter seams this plugin uses (:data:`zerohooks.surface.SEAMS`)."""
     distribution = "zerohooks-mixedlayers"
     Config = MixedLayersConfig
     cfg: MixedLayersConfig

@@ -40,8 +40,12 @@ def step_context(engine: Any) -> StepContext:
 class Attachment:
     """Everything zerohooks changed on one engine, and the means to change it back.
 
-    Only instance attributes are touched (a bound method shadowed on the object); DeepSpeed's
-    classes and modules are never modified, so other engines in the process are unaffected.
+    Only instance attributes are touched (a bound method shadowed on the object, an attribute
+    set on it), each recorded here and undone by :meth:`detach`; the adapter modifies no
+    DeepSpeed class or module.  The one object shared by the process it changes is DeepSpeed's
+    communication backend instance: its ``all_gather_into_tensor`` is shadowed while an attached
+    engine routes parameter all-gathers to a gatherer (:mod:`zerohooks.adapter.gather`; groups
+    without a route reach DeepSpeed's method unchanged), and removed with the last route.
     """
 
     def __init__(

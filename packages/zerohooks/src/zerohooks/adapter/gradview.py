@@ -4,8 +4,8 @@ Plugins that report or save the accumulated gradient (accumdtype's ``grad_accum`
 instead of naming DeepSpeed's partition buffers: ZeRO 1/2's compact fp32 partition buffer (with
 ``data_types.grad_accum_dtype``), ZeRO 1's separate ``grad_accum`` attribute, ZeRO 3's per-parameter
 fp32 gradient partition.  Nothing here changes DeepSpeed's state except :func:`restore_micro_steps`,
-the counter DeepSpeed does not restore from a checkpoint.  The names are the ``zerohooks`` entries
-of :data:`zerohooks.surface.SURFACE` this module reads.
+the counter DeepSpeed does not restore from a checkpoint.  The names are those of the seam
+``gradient_partitions`` of :data:`zerohooks.surface.SEAMS`.
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ __all__ = [
 _Z3_PARTITIONS = surface.ZERO3_PRIVATE + "param_id_to_grad_partition"
 
 
-def check_partition_view(optimizer: Any, stage: int, user: str) -> None:
+def check_partition_view(optimizer: Any, stage: int) -> None:
     """Raise :class:`zerohooks.DeepSpeedInternalMissing` now, not at the first call, when the
-    ZeRO optimizer of ``stage`` lacks what this view reads (``user``: the plugin asking)."""
+    ZeRO optimizer of ``stage`` lacks what this view reads (the seam ``gradient_partitions``)."""
     if stage in (1, 2, 3):
-        surface.check_object(optimizer, surface.ZERO3 if stage == 3 else surface.ZERO12, stage, user)
+        owner = surface.ZERO3 if stage == 3 else surface.ZERO12
+        surface.check_object(optimizer, owner, stage, "gradient_partitions")
 
 
 def _z12_partition(opt: Any, param: Any) -> tuple[torch.Tensor, int] | None:

@@ -87,11 +87,11 @@ def retype_partitions(
     """Hold ``params`` (parameters of a ZeRO-3 engine) in ``dtype``: their partitions, their
     sub-groups' flat buffers and fp32 masters take this rank's part of ``full_value(param)`` (the
     exact value, full shape).  A sub-group must hold only such parameters or none; frozen ones
-    (outside the optimizer's groups) are retyped on their own.  ``user``: the plugin asking (its
-    entries of :data:`zerohooks.surface.SURFACE` are checked first).  Returns the sub-groups
+    (outside the optimizer's groups) are retyped on their own.  ``user``: the plugin asking (named
+    in errors; the seam ``partition_retype`` of :data:`zerohooks.surface.SEAMS` is checked first).  Returns the sub-groups
     changed; undone at detach."""
     opt = att.engine.optimizer
-    surface.check_object(opt, surface.ZERO3, 3, user)
+    surface.check_object(opt, surface.ZERO3, 3, "partition_retype")
     chosen = {id(p) for p in params}
     undo = _Undo(opt)
     att.keep_handle(RemovableHandle(undo, f"zerohooks: {user}'s {dtype} ZeRO-3 partitions"))
