@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +18,7 @@ from zerohooks.hookspec import ReduceBucket, SetupContext, StepContext
 from zerohooks.plugin import ZeroPlugin
 from zerohooks.registry import HookRegistry
 
-__all__ = ["Attachment", "attachment", "step_context"]
+__all__ = ["Attachment", "attachment", "bind_by_name", "step_context"]
 
 _MISSING = object()
 _attachments: weakref.WeakKeyDictionary[Any, Attachment] = weakref.WeakKeyDictionary()
@@ -35,6 +36,20 @@ def step_context(engine: Any) -> StepContext:
     if att is None:
         raise ValueError("this engine has no zerohooks attachment (was it built by zerohooks.initialize?)")
     return att.step_ctx
+
+
+def bind_by_name(original: Callable[..., Any]) -> Callable[..., dict[str, Any]]:
+    """A function binding a call's ``(*args, **kwargs)`` to ``original``'s parameters by name,
+    defaults applied: the wrappers read DeepSpeed's private signatures by name, never by position
+    (the signature is read once, when the wrapper is made)."""
+    signature = inspect.signature(original)
+
+    def bind(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    return bind
 
 
 class Attachment:
