@@ -266,7 +266,6 @@ _NOT_YET = frozenset(
     {
         "nvmeswap/checkpoint.py",
         "nvmeswap/deferred.py",
-        "nvmeswap/fused.py",
         "nvmeswap/plugin.py",
         "nvmeswap/swapper.py",
     }

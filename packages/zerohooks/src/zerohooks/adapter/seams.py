@@ -35,6 +35,7 @@ __all__ = [
     "Zero0Scaling",
     "accumulate_separately",
     "check_before_save",
+    "note_optimizer_stepped",
     "own_loss_scaling",
     "read_checkpoints_mapped",
     "run_forward_in",
@@ -206,3 +207,10 @@ def read_checkpoints_mapped(att: Attachment) -> None:
     the RAM loads, as long as the plugin moves them elsewhere one piece at a time (nvmeswap's
     optimizer state, 12 bytes a parameter)."""
     att.map_checkpoint_reads = True
+
+
+def note_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Tell torch's learning-rate schedulers that ``optimizer`` took a step that did not go
+    through ``optimizer.step()`` (a plugin's fused kernel updating the parameters itself): they
+    wrap ``step`` and warn when the schedule steps first."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]
