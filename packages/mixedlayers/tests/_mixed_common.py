@@ -326,6 +326,7 @@ def detach_scenario() -> dict[str, Any]:
         "kept_modules": kept_modules,
         "staging_patch": (patched, unpatched),
         "state_after_detach": state is not None and state.handles == [] and mixed_state(engine) is None,
+        "z3_retype": z3_retype_detach(),
     }
 
 
@@ -369,3 +370,30 @@ def bucket_scenario() -> dict[str, Any]:
     model = make_model()
     out["numel"] = {n: p.numel() for n, p in model.named_parameters()}
     return out
+
+
+def z3_retype_detach() -> dict[str, Any]:
+    """ZeRO 3: the kept parameters' fp32 partitions (the adapter's retype) go back to DeepSpeed's
+    bf16 buffers at detach, holding the fp32 values rounded to bf16."""
+    import zerohooks
+
+    engine = build(3, "bf16", False)
+    opt = engine.optimizer
+    attached = [str(t.dtype).removeprefix("torch.") for t in opt.fp16_partitioned_groups_flat]
+    kept = [p for p in engine.module.parameters() if p.ds_tensor.dtype == torch.float32]
+    values = [p.ds_tensor.detach().clone() for p in kept]
+    zerohooks.detach(engine)
+    after = [str(t.dtype).removeprefix("torch.") for t in opt.fp16_partitioned_groups_flat]
+    rounded = all(
+        p.ds_tensor.dtype == torch.bfloat16 and torch.equal(p.ds_tensor, v.to(torch.bfloat16))
+        for p, v in zip(kept, values, strict=True)
+    )
+    in_flat = all(
+        any(
+            t is not None
+            and t.data_ptr() <= p.ds_tensor.data_ptr() < t.data_ptr() + t.numel() * t.element_size()
+            for t in opt.fp16_partitioned_groups_flat
+        )
+        for p in kept
+    )
+    return {"attached": attached, "after": after, "kept": len(kept), "rounded": rounded, "in_flat": in_flat}

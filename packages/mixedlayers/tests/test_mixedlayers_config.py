@@ -123,7 +123,7 @@ def test_fp32_accumulation_through_deepspeed_config(
     plugin = MixedLayersPlugin(_section({"fp32_modules": ["head"]}))
     cfg = ds_config(stage, dtype, offload, data_types={"grad_accum_dtype": "fp32"} if stage else {})
     plugin.edit_deepspeed_config(cfg)
-    assert cfg["data_types"].get("grad_accum_dtype") == ("fp32" if by_config else None)
+    assert cfg.get("data_types", {}).get("grad_accum_dtype") == ("fp32" if by_config else None)
 
 
 # -- selection -----------------------------------------------------------------------------------

@@ -109,6 +109,11 @@ def test_detach_removes_boundary_casts(two_ranks: list[dict[str, Any]]) -> None:
         assert res["kept_modules"] == ["fc2", "norm"]
         assert res["staging_patch"] == (True, True)  # ZeRO 2's setup_buckets, patched then restored
         assert res["state_after_detach"]
+        z3 = res["z3_retype"]  # ZeRO 3: the partition retype is undone too
+        assert z3["kept"] > 0 and "float32" in z3["attached"] and "bfloat16" in z3["attached"]
+        assert z3["after"] == ["bfloat16"] * len(z3["after"])
+        assert z3["rounded"], "DeepSpeed's bf16 partitions should hold the trained fp32 values, rounded"
+        assert z3["in_flat"], "each partition should be a view of DeepSpeed's flat buffer again"
 
 
 @pytest.mark.parametrize("stage", [2, 3])

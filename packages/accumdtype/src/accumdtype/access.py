@@ -27,23 +27,18 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import zerohooks
 from accumdtype.state import AccumState, buffer_of
+from zerohooks.adapter import gradview
 
 __all__ = ["accum_state", "accumulation_bytes", "grad_accum", "grad_accum_range", "grad_reduc"]
 
-_Z3_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
-
 
 def check_internals(optimizer: Any, stage: int) -> None:
-    """Raise :class:`zerohooks.DeepSpeedInternalMissing` now, not at the first accessor call (the
-    names are accumdtype's entries of :data:`zerohooks.surface.SURFACE`)."""
-    from zerohooks import surface
-
-    if stage in (1, 2, 3):
-        surface.check_object(optimizer, surface.ZERO3 if stage == 3 else surface.ZERO12, stage, "accumdtype")
+    """Raise :class:`zerohooks.DeepSpeedInternalMissing` now, not at the first accessor call
+    (what the adapter's gradient-partition view reads, :mod:`zerohooks.adapter.gradview`)."""
+    gradview.check_partition_view(optimizer, stage)
 
 
 def accum_state(engine: Any) -> AccumState:
@@ -59,49 +54,21 @@ def accum_state(engine: Any) -> AccumState:
     )
 
 
-def _z12_partition(opt: Any, param: Any) -> tuple[torch.Tensor, int] | None:
-    """(this rank's slice of DeepSpeed's fp32 partition buffer, first element) or None."""
-    group = opt._get_param_group_idx(param)
-    if not opt._use_compact_grad_partition_buffer(group):
-        return None
-    built = opt.averaged_gradients.get(group)
-    if built is None or getattr(built, "flat_partition", None) is None:
-        return None  # nothing accumulated in this window yet (DeepSpeed builds it lazily)
-    param_id = opt.get_param_id(param)
-    rank = dist.get_rank(group=opt.real_dp_process_group[group])
-    starts = opt.grad_start_offset[group][rank]
-    if param_id not in starts:
-        return None  # no element of this parameter is in this rank's partition
-    source = int(starts[param_id])
-    dest = int(opt.grad_partition_insertion_offset[group][rank][param_id])
-    numel = min(param.numel() - source, int(opt.partition_size[group]) - dest)
-    return opt._get_compact_grad_partition_slice(group, rank, param_id, numel), source
-
-
-def _z3_partition(opt: Any, param: Any) -> tuple[torch.Tensor, int] | None:
-    partition = getattr(opt, _Z3_PARTITIONS)[param.ds_id]
-    size = param.partition_numel()
-    start = opt._get_param_partition_rank(param) * size
-    valid = max(0, min(size, param.ds_numel - start))
-    if valid == 0:
-        return None
-    return partition.narrow(0, 0, valid), start
-
-
 def _locate(engine: Any, param: Any) -> tuple[torch.Tensor | None, int]:
     state = accum_state(engine)
     plan = state.plan
     if plan.stage == 3:
-        found = _z3_partition(engine.optimizer, param)
+        found = gradview.accumulated_partition(engine, 3, param)
         return (None, 0) if found is None else found
     if plan.stage == 0:
         buf = buffer_of(state, param)
         return (param.grad if buf is None else buf), 0
     if not plan.separate:
         return param.grad, 0
-    if plan.stage == 1 and getattr(param, "grad_accum", None) is not None:
-        return param.grad_accum, 0
-    found = _z12_partition(engine.optimizer, param)
+    separate = gradview.separate_accumulation(param) if plan.stage == 1 else None
+    if separate is not None:
+        return separate, 0
+    found = gradview.accumulated_partition(engine, plan.stage, param)
     return (None, 0) if found is None else found
 
 
@@ -127,7 +94,7 @@ def grad_reduc(engine: Any, param: Any) -> torch.Tensor | None:
         buf = buffer_of(state, param)
         return param.grad if buf is None else buf
     tensor: torch.Tensor | None = (
-        getattr(param, "grad_accum", None) if plan.stage == 1 and plan.separate else param.grad
+        gradview.separate_accumulation(param) if plan.stage == 1 and plan.separate else param.grad
     )
     return tensor
 

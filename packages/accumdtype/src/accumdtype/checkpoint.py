@@ -24,6 +24,7 @@ import zerohooks
 from accumdtype.access import grad_accum
 from accumdtype.config import dtype_name
 from accumdtype.state import AccumState
+from zerohooks.adapter import gradview
 
 __all__ = ["AccumCheckpoint", "MidWindowCheckpointError", "in_window"]
 
@@ -117,7 +118,7 @@ class AccumCheckpoint:
                 if saved["fingerprint"].get(k) != v
             }
             raise ValueError(f"the checkpoint was saved with another accumdtype setup (saved, now): {diff}")
-        state.engine.micro_steps = int(saved["micro_steps"])  # DeepSpeed does not restore it
+        gradview.restore_micro_steps(state.engine, int(saved["micro_steps"]))
         tensors = saved["accum"]
         if tensors:
             for p, value in zip(state.params, tensors, strict=True):

@@ -15,6 +15,7 @@ import pydantic
 import torch
 
 from zerohooks import ConfigError, PluginConfig, SetupContext
+from zerohooks.dsconfig import set_communication_data_type, set_grad_accum_dtype
 
 __all__ = [
     "DTYPES",
@@ -235,17 +236,10 @@ def make_plan(cfg: AccumDtypeConfig, ctx: SetupContext) -> Plan:
 def apply_plan(plan: Plan, ds_config: dict[str, Any]) -> None:
     """Edit DeepSpeed's config (a private copy) for ``plan``, in place."""
     if plan.set_comm_dtype:
-        ds_config["communication_data_type"] = dtype_name(plan.reduce_dtype)
-    types = ds_config.get("data_types")
+        set_communication_data_type(ds_config, dtype_name(plan.reduce_dtype))
     if plan.mechanism == "deepspeed":
-        types = dict(types) if isinstance(types, dict) else {}
-        types["grad_accum_dtype"] = dtype_name(plan.accum_dtype)
-        ds_config["data_types"] = types
-    elif isinstance(types, dict) and "grad_accum_dtype" in types:
-        # the same dtype as ours (make_plan refused a different one): DeepSpeed must not see it
-        # where it raises (ZeRO 0) or swaps in BF16_Optimizer (bf16 ZeRO 1); pointless elsewhere
-        types = {k: v for k, v in types.items() if k != "grad_accum_dtype"}
-        if types:
-            ds_config["data_types"] = types
-        else:
-            del ds_config["data_types"]
+        set_grad_accum_dtype(ds_config, dtype_name(plan.accum_dtype))
+    else:
+        # the same dtype as ours (make_plan refused a different one), or none: DeepSpeed must not
+        # see it where it raises (ZeRO 0) or swaps in BF16_Optimizer (bf16 ZeRO 1); pointless elsewhere
+        set_grad_accum_dtype(ds_config, None)

@@ -13,7 +13,7 @@ from accumdtype.checkpoint import AccumCheckpoint, check_save
 from accumdtype.config import AccumDtypeConfig, Plan, apply_plan, make_plan
 from accumdtype.state import AccumState, accumulate, end_window, hand_to_optimizer, reduction_tensor
 from zerohooks import PluginConfig, SetupContext, StepContext, ZeroPlugin
-from zerohooks.adapter import seams
+from zerohooks.adapter import gradview, seams
 from zerohooks.hookspec import AfterStepHook, BeforeStepHook, MicroStepGradHook, ReduceTensorHook
 from zerohooks.registry import FIRST, LAST, HookRegistry
 
@@ -28,6 +28,13 @@ class AccumDtypePlugin(ZeroPlugin):
     """Gradient accumulation and reduction dtypes independent of the model dtype."""
 
     name = "accumdtype"
+    deepspeed_seams = (
+        "separate_accumulation",
+        "widen_reduction_buffer",
+        "check_before_save",
+        "gradient_partitions",
+    )
+    """The adapter seams this plugin uses (:data:`zerohooks.surface.SEAMS`)."""
     distribution = "zerohooks-accumdtype"
     Config = AccumDtypeConfig
     cfg: AccumDtypeConfig
@@ -124,10 +131,10 @@ def _z2_bypass_tensor(state: AccumState) -> ReduceTensorHook:
     reduce = state.plan.reduce_dtype
 
     def reduce_tensor(param: torch.nn.Parameter, tensor: torch.Tensor | None) -> torch.Tensor | None:
-        opt = state.engine.optimizer if state.engine is not None else None
-        if tensor is None or opt is None or tensor.dtype.itemsize >= reduce.itemsize:
+        engine = state.engine
+        if tensor is None or engine is None or tensor.dtype.itemsize >= reduce.itemsize:
             return tensor
-        if opt.contiguous_gradients and param.numel() <= opt.reduce_bucket_size:
+        if gradview.staged_in_bucket(engine, param):
             return tensor  # staged in the widened bucket buffer
         return tensor.to(reduce)
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from zerohooks import ConfigError, PluginConfig
+from zerohooks.dsconfig import read_settings
 from zerohooks.strict import MAX_STEPS, StrList
 
 __all__ = [
@@ -252,61 +253,47 @@ class AutocastZeroConfig(PluginConfig):
         return tuple(out)
 
 
-def _enabled(section: Any) -> bool:
-    """A DeepSpeed section switched on: ``{"enabled": true}``, or the bare ``true`` that DeepSpeed
-    itself refuses (named here as the conflict it also is)."""
-    return section is True or (isinstance(section, dict) and bool(section.get("enabled", False)))
-
-
 def check_deepspeed_config(cfg: AutocastZeroConfig, ds: dict[str, Any]) -> None:
-    """Refuse DeepSpeed settings that conflict with ``cfg``; each message names the key to change."""
+    """Refuse DeepSpeed settings that conflict with ``cfg``; each message names the key to change.
+    DeepSpeed's settings are read by :func:`zerohooks.dsconfig.read_settings`."""
+    settings = read_settings(ds)
     problems: list[str] = []
-    for key in ("fp16", "bf16", "bfloat16"):
-        if _enabled(ds.get(key)):
-            problems.append(
-                f'"{key}" is enabled{" (a bare true)" if ds.get(key) is True else ""}: autocastzero keeps '
-                "fp32 parameters and runs the forward under torch.autocast instead; remove the "
-                f'"{key}" section (or set "enabled": false) and choose the autocast dtype with '
-                '"autocastzero": {"dtype": ...}'
-            )
-    if _enabled(ds.get("torch_autocast")):
+    for key, bare in settings.precision_sections:
+        problems.append(
+            f'"{key}" is enabled{" (a bare true)" if bare else ""}: autocastzero keeps '
+            "fp32 parameters and runs the forward under torch.autocast instead; remove the "
+            f'"{key}" section (or set "enabled": false) and choose the autocast dtype with '
+            '"autocastzero": {"dtype": ...}'
+        )
+    if settings.torch_autocast:
         problems.append(
             '"torch_autocast" is enabled: that is DeepSpeed\'s own autocast, which autocastzero replaces; '
             'remove the "torch_autocast" section'
         )
-    comm = ds.get("communication_data_type")
+    comm = settings.communication_data_type
     if comm is not None:
         problems.append(
             f'"communication_data_type" is {comm!r}: autocastzero chooses the reduction dtype per '
             f"parameter ({cfg.dtype} for safe modules, float32 for the rest); remove "
             '"communication_data_type" (or set "low_precision_reduce": false for fp32 everywhere)'
         )
-    types = ds.get("data_types")
-    accum = types.get("grad_accum_dtype") if isinstance(types, dict) else None
+    accum = settings.grad_accum_dtype
     if accum is not None and str(accum).lower() not in ("fp32", "float32", "float", "torch.float32"):
         problems.append(
             f'"data_types.grad_accum_dtype" is {accum!r} but the parameters are fp32: DeepSpeed only '
             "fails on that mix when training starts; remove it (gradients accumulate in fp32)"
         )
-    zero = ds.get("zero_optimization") or {}
-    if isinstance(zero, dict):
-        for key in (
-            "zero_quantized_weights",
-            "zero_quantized_nontrainable_weights",
-            "zero_quantized_gradients",
-        ):
-            if zero.get(key):
-                problems.append(
-                    f'"zero_optimization.{key}" is on: quantized ZeRO++ communication ignores the '
-                    f"per-parameter dtypes of autocastzero; remove it"
-                )
-        offload = zero.get("offload_optimizer") or {}
-        device = offload.get("device") if isinstance(offload, dict) else None
-        if cfg.dtype == "float16" and device not in (None, "none"):
-            problems.append(
-                f'"zero_optimization.offload_optimizer.device" is {device!r}: float16 loss scaling with '
-                'an offloaded optimizer is not supported; use dtype "bfloat16" or remove the offload'
-            )
+    for key in settings.quantized:
+        problems.append(
+            f'"zero_optimization.{key}" is on: quantized ZeRO++ communication ignores the '
+            f"per-parameter dtypes of autocastzero; remove it"
+        )
+    device = settings.offload_optimizer
+    if cfg.dtype == "float16" and device is not None:
+        problems.append(
+            f'"zero_optimization.offload_optimizer.device" is {device!r}: float16 loss scaling with '
+            'an offloaded optimizer is not supported; use dtype "bfloat16" or remove the offload'
+        )
     if problems:
         raise ConfigError(
             'the "autocastzero" section conflicts with the DeepSpeed config:\n  ' + "\n  ".join(problems)

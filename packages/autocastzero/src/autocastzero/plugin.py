@@ -103,6 +103,8 @@ class AutocastZeroPlugin(ZeroPlugin):
     """torch.autocast with fp32 parameters; 16-bit communication for lower-precision-safe modules."""
 
     name = "autocastzero"
+    deepspeed_seams = ("forward", "loss_scaling")
+    """The adapter seams this plugin uses (:data:`zerohooks.surface.SEAMS`)."""
     distribution = "zerohooks-autocastzero"
     Config = AutocastZeroConfig
     cfg: AutocastZeroConfig
@@ -159,17 +161,9 @@ class AutocastZeroPlugin(ZeroPlugin):
         checkpoint load (DeepSpeed restores the ZeRO optimizer's pickled scaler object)."""
         params = [p for p in engine.module.parameters() if p.requires_grad] if stage == 0 else []
         scaler = ZeroLossScaler(scale)
-        installed = seams.own_loss_scaling(
-            att, zero_scaler=scaler, zero0_scaler=Zero0Scaler(scale, params), dynamic=scale.dynamic
+        return seams.own_loss_scaling(
+            att, zero_scaler=scaler, zero0=Zero0Scaler(scale, params), dynamic=scale.dynamic
         )
-        if stage == 0:
-            return installed
-
-        def reinstall() -> None:
-            scaler.in_use = scale.scale
-            installed()
-
-        return reinstall
 
     @override
     def close(self) -> None:

@@ -1,14 +1,16 @@
 """fp16 loss scaling for fp32-parameter training: the plugin's scaler and DeepSpeed's two slots for it.
 
-The scale lives in a :class:`ScaleState`; :func:`update` is the whole dynamic algorithm.  Two
-thin objects hand that state to DeepSpeed where it already expects a scaler, so DeepSpeed's own
-code scales the loss, checks every gradient for inf/nan across ranks, unscales, skips the step
-and counts it (``engine.skipped_steps``, no learning-rate step):
+The scale lives in a :class:`ScaleState`; :func:`update` is the whole dynamic algorithm.  The
+adapter's loss-scaler seam (:func:`zerohooks.adapter.seams.own_loss_scaling`) hands that state to
+DeepSpeed where it already expects a scaler, so DeepSpeed's own code scales the loss, checks
+every gradient for inf/nan across ranks, unscales, skips the step and counts it
+(``engine.skipped_steps``, no learning-rate step):
 
-* ZeRO 1-3: :class:`ZeroLossScaler` replaces the ZeRO optimizer's ``loss_scaler`` (a static
-  scale of 1 when parameters are fp32).
-* ZeRO 0: :class:`Zero0Scaler` fills the engine's ``torch_autocast_z0_gradscaler`` slot (the
-  GradScaler interface DeepSpeed calls in ``backward`` and ``_take_model_step``).
+* ZeRO 1-3: :class:`ZeroLossScaler` (the adapter's ``OwnedLossScaler`` under this package's
+  name, the one DeepSpeed pickles into checkpoints) replaces the ZeRO optimizer's ``loss_scaler``
+  (a static scale of 1 when parameters are fp32).
+* ZeRO 0: :class:`Zero0Scaler` checks and unscales the gradients; the adapter puts it in the
+  engine's GradScaler slot and reports a skipped step to the engine.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from deepspeed.runtime.fp16.loss_scaler import LossScalerBase
+
+from zerohooks.adapter.seams import OwnedLossScaler
 
 __all__ = [
     "STUCK_STEPS",
@@ -78,6 +81,10 @@ class ScaleState:
         self.stuck_run = 0
         """Of those, the steps skipped at a scale that could not back off further (static, or at
         ``min_scale``)."""
+
+    def update_scale(self, overflow: bool) -> None:
+        """:func:`update` (the adapter's ``ScaleOwner`` interface)."""
+        update(self, overflow)
 
 
 def update(state: ScaleState, overflow: bool) -> None:
@@ -151,57 +158,19 @@ def grads_overflow(grads: Iterable[torch.Tensor | None]) -> bool:
     return bool(torch.stack(flags).any()) if flags else False
 
 
-class ZeroLossScaler(LossScalerBase):
-    """DeepSpeed's loss-scaler interface over a :class:`ScaleState` (ZeRO 1-3 optimizers).
-
-    DeepSpeed scales the loss with :meth:`scale_loss`, divides gradients by ``cur_scale`` and calls
-    :meth:`update_scale` once per step with its all-rank overflow verdict.
-
-    DeepSpeed 0.19.8 calls ``update_scale`` *before* it divides the gradients by ``cur_scale``,
-    so a scale that grows at a step would under-weight that step's gradients by half.
-    ``cur_scale`` therefore stays the scale the current gradients were made with until the next
-    loss is scaled.
-    """
-
-    def __init__(self, state: ScaleState) -> None:  # no super().__init__: the scale is the state's
-        self.state = state
-        self.dynamic = state.dynamic
-        self.in_use = state.scale
-
-    @property
-    def cur_scale(self) -> float:
-        return self.in_use
-
-    @cur_scale.setter
-    def cur_scale(self, value: float) -> None:
-        self.state.scale = self.in_use = float(value)
-
-    @property
-    def next_scale(self) -> float:
-        """The scale the next loss will be multiplied by (``cur_scale`` lags it until then).
-
-        Plugins that keep state in loss-scaled units (loco's error-feedback buffers) read this
-        after a step to rescale to the next step's gradients."""
-        return self.state.scale
-
-    def update_scale(self, overflow: bool) -> None:
-        update(self.state, bool(overflow))
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        self.in_use = self.state.scale
-        return loss * self.in_use
-
-    def __repr__(self) -> str:
-        return f"autocastzero.ZeroLossScaler(scale={self.state.scale}, dynamic={self.state.dynamic})"
+class ZeroLossScaler(OwnedLossScaler):
+    """The adapter's :class:`~zerohooks.adapter.lossscale.OwnedLossScaler` over a
+    :class:`ScaleState` (ZeRO 1-3), under this package's import path: DeepSpeed pickles it into
+    its checkpoints, which name it ``autocastzero.scaling.ZeroLossScaler``."""
 
 
 class Zero0Scaler:
-    """The GradScaler interface DeepSpeed's engine calls on ZeRO 0, over a :class:`ScaleState`.
+    """ZeRO 0's scaling over a :class:`ScaleState` (the adapter's ``Zero0Scaling`` interface).
 
     ZeRO 0 all-reduces gradients before the step, so every rank sees the same (possibly
     non-finite) gradients and reaches the same verdict without a collective.  On overflow the
-    optimizer step is not taken and ``optimizer.overflow`` tells the engine to count it as
-    skipped (and not to step the learning-rate schedule).
+    adapter does not take the optimizer step and has the engine count it as skipped (and not
+    step the learning-rate schedule).
     """
 
     __slots__ = ("_overflow", "_unscaled", "params", "state")
@@ -215,7 +184,7 @@ class Zero0Scaler:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.state.scale
 
-    def unscale_(self, optimizer: Any) -> None:
+    def unscale_(self) -> None:
         if self._unscaled:
             return
         self._overflow = grads_overflow(p.grad for p in self.params)
@@ -226,11 +195,10 @@ class Zero0Scaler:
                     p.grad.mul_(inv)
         self._unscaled = True
 
-    def step(self, optimizer: Any) -> None:
-        self.unscale_(optimizer)
-        optimizer.overflow = self._overflow
-        if not self._overflow:
-            optimizer.step()
+    @property
+    def overflowed(self) -> bool:
+        """The verdict of the last :meth:`unscale_`."""
+        return self._overflow
 
     def update(self) -> None:
         update(self.state, self._overflow)
@@ -239,9 +207,6 @@ class Zero0Scaler:
 
     def get_scale(self) -> float:
         return self.state.scale
-
-    def is_enabled(self) -> bool:
-        return True
 
 
 def initial_scale(loss_scale: float, initial_scale_power: int) -> tuple[float, bool]:

@@ -27,6 +27,7 @@ from zerohooks import (
     next_loss_scale,
 )
 from zerohooks.adapter import seams
+from zerohooks.dsconfig import read_settings
 from zerohooks.registry import HookRegistry
 
 __all__ = ["LocoGatherer", "LocoPlugin", "LocoReducer", "param_key"]
@@ -183,7 +184,8 @@ class LocoPlugin(ZeroPlugin):
         # divide by the world size): DeepSpeed's other averaging settings would be ignored on ZeRO
         # 0/1 and are DeepSpeed's assertion on ZeRO 2/3 ("not yet supported ... with reduce
         # scatter"); refused here, before anything is built
-        factor = ds_config.get("gradient_predivide_factor", 1.0)
+        settings = read_settings(ds_config)
+        factor = settings.gradient_predivide_factor
         if factor != 1.0:
             raise ConfigError(
                 f"gradient_predivide_factor is {factor!r}: loco owns the gradient collective and averages "
@@ -191,15 +193,14 @@ class LocoPlugin(ZeroPlugin):
                 "factor would be ignored (and DeepSpeed refuses it on ZeRO 2/3 with reduce_scatter); "
                 "remove gradient_predivide_factor (the accepted value is 1.0, the default)"
             )
-        if ds_config.get("prescale_gradients"):
+        if settings.prescale_gradients:
             raise ConfigError(
-                f"prescale_gradients is {ds_config['prescale_gradients']!r}: loco owns the gradient "
+                f"prescale_gradients is {settings.prescale_gradients!r}: loco owns the gradient "
                 "collective and averages as DeepSpeed does by default (sum, then divide by the world "
                 "size), so pre-scaling would be ignored (and DeepSpeed refuses it on ZeRO 2/3 with "
                 "reduce_scatter); remove prescale_gradients or set it to false"
             )
-        zero = ds_config.get("zero_optimization") or {}
-        if isinstance(zero, dict) and zero.get("zero_quantized_gradients"):
+        if "zero_quantized_gradients" in settings.quantized:
             raise ConfigError(
                 "loco owns the gradient collective and replaces ZeRO++'s quantized gradients: remove "
                 "zero_optimization.zero_quantized_gradients (or the loco section)"

@@ -36,6 +36,7 @@ from mixedlayers.under_autocast import AUTOCAST_PLUGIN, install_autocast_off, re
 from mixedlayers.zero3 import restore_zero3
 from mixedlayers.zero12 import fp32_accumulation_by_config, install_fp32_accumulation, install_fp32_staging
 from zerohooks import ConfigError, PluginConfig, SetupContext, ZeroPlugin
+from zerohooks.dsconfig import set_grad_accum_dtype
 from zerohooks.hookspec import GatherDtypeHook, PrepareModelHook, PrepareParametersHook, ReduceDtypeHook
 from zerohooks.registry import FIRST, LAST, HookRegistry
 
@@ -59,6 +60,8 @@ class MixedLayersPlugin(ZeroPlugin):
     """Keep chosen modules of a 16-bit model in fp32, with casts at their boundaries."""
 
     name = "mixedlayers"
+    deepspeed_seams = ("separate_accumulation", "stage_buckets", "partition_retype")
+    """The adapter seams this plugin uses (:data:`zerohooks.surface.SEAMS`)."""
     distribution = "zerohooks-mixedlayers"
     Config = MixedLayersConfig
     cfg: MixedLayersConfig
@@ -87,12 +90,11 @@ class MixedLayersPlugin(ZeroPlugin):
             # otherwise accumulate and partition every gradient in one buffer of the model dtype,
             # which would round the kept parameters' fp32 gradients.  The 16-bit parameters'
             # gradients then accumulate in fp32 too (2 more bytes per parameter of the partition).
-            data_types = ds_config.setdefault("data_types", {})
-            data_types["grad_accum_dtype"] = "fp32"
-        elif isinstance(ds_config.get("data_types"), dict):
+            set_grad_accum_dtype(ds_config, "fp32")
+        else:
             # fp32 (the only value check_deepspeed_config lets through) would make DeepSpeed build
             # its BF16_Optimizer on bf16 ZeRO 1; engine_ready switches the same accumulation on
-            ds_config["data_types"].pop("grad_accum_dtype", None)
+            set_grad_accum_dtype(ds_config, None)
 
     @override
     def attach(self, registry: HookRegistry, ctx: SetupContext) -> None:
@@ -116,14 +118,14 @@ class MixedLayersPlugin(ZeroPlugin):
         if self.under_autocast:
             return
         stage = engine.zero_optimization_stage()
+        att = zerohooks.attachment(engine)
+        assert att is not None
         if stage == 3:
-            restore_zero3(engine.optimizer, state)
+            restore_zero3(att, state)
         elif stage in (1, 2):
-            att = zerohooks.attachment(engine)
-            assert att is not None
             if stage == 1 and not fp32_accumulation_by_config(att.setup):
-                install_fp32_accumulation(att, engine.optimizer)
-            install_fp32_staging(att, engine.optimizer)
+                install_fp32_accumulation(att)
+            install_fp32_staging(att)
         if not state.modules:
             raise RuntimeError(
                 "mixedlayers: the model was not prepared (pass model= to zerohooks.initialize)"

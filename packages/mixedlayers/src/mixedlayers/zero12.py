@@ -20,8 +20,6 @@ routed to it, at most ``reduce_bucket_size``.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from zerohooks import Attachment, SetupContext
@@ -39,18 +37,11 @@ def fp32_accumulation_by_config(ctx: SetupContext) -> bool:
     return False
 
 
-def install_fp32_accumulation(att: Attachment, opt: Any) -> None:
+def install_fp32_accumulation(att: Attachment) -> None:
     """What DeepSpeedZeroOptimizer's constructor sets for ``gradient_accumulation_dtype=fp32``."""
     seams.accumulate_separately(att, torch.float32)
 
 
-def install_fp32_staging(att: Attachment, opt: Any) -> None:
+def install_fp32_staging(att: Attachment) -> None:
     """Stage the fp32 bucket in fp32 (this instance, undone on detach) when gradients are staged."""
-    if not opt.contiguous_gradients:
-        return  # gradients are flattened in their own dtype at reduction time
-    routed = [p for group in opt.bit16_groups for p in group if opt.get_param_comm_dtype(p) == torch.float32]
-    if not routed:
-        return
-    size = min(int(opt.reduce_bucket_size), sum(p.numel() for p in routed))
-
-    seams.stage_buckets_in_own_dtype(att, torch.float32, size)
+    seams.stage_buckets_in_own_dtype(att, torch.float32)

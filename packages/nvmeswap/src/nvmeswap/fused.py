@@ -17,6 +17,7 @@ import torch
 
 from nvmeswap import adam
 from nvmeswap.swapper import SwapState
+from zerohooks.adapter import seams
 
 __all__ = ["refusal", "step"]
 
@@ -112,6 +113,6 @@ def step(state: SwapState, index: int, optimizer: Any, group: dict[str, Any], gr
     p, m, v = master.data, st["exp_avg"].data, st["exp_avg_sq"].data
     # torch's LR schedulers check that optimizer.step() ran before them (they wrap it): it did,
     # in effect, for this sub-group
-    optimizer._opt_called = True
+    seams.note_optimizer_stepped(optimizer)
     for off, n, g in segments:
         adam.adam_step_(p.narrow(0, off, n), m.narrow(0, off, n), v.narrow(0, off, n), g, grad_scale, h)

@@ -28,6 +28,7 @@ import zerohooks
 from nvmeswap import adam, checkpoint, deferred, fused, io, swapper
 from nvmeswap.config import NvmeSwapConfig, rewrite_offload
 from nvmeswap.folder import FolderClaim, prepare
+from nvmeswap.seam import SEAM
 from nvmeswap.swapfile import SwapCorruptionError
 from nvmeswap.swapper import SwapState
 from zerohooks import ConfigError, PluginConfig, SetupContext, StepContext, ZeroPlugin, surface
@@ -44,6 +45,8 @@ class NvmeSwapPlugin(ZeroPlugin):
     """ZeRO-3 optimizer state on NVMe without gradient I/O, on nvmeswap's own I/O engine."""
 
     name = "nvmeswap"
+    deepspeed_seams = (SEAM,)
+    """The seams this plugin uses: its own (:mod:`nvmeswap.seam`)."""
     distribution = "zerohooks-nvmeswap"
     Config = NvmeSwapConfig
     cfg: NvmeSwapConfig
@@ -81,7 +84,7 @@ class NvmeSwapPlugin(ZeroPlugin):
         att = zerohooks.attachment(engine)
         assert att is not None and self.base_folder is not None
         opt = engine.optimizer
-        surface.check_object(opt, surface.ZERO3, 3, self.name)  # as accumdtype and mixedlayers do
+        surface.check_object(opt, surface.ZERO3, 3, SEAM)
         cfg = self.cfg
         fuse = _fused_choice(cfg, opt)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

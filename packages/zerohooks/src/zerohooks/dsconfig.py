@@ -4,12 +4,16 @@
 :class:`~zerohooks.hookspec.SetupContext` that ``zerohooks.initialize`` hands every plugin
 (``ZeroPlugin.deepspeed`` while it edits the config, ``attach(registry, ctx)`` after);
 :func:`engine_context` reads the same from an engine DeepSpeed built.  No plugin reads
-DeepSpeed's keys for these settings itself.
+DeepSpeed's keys for these settings itself: what a plugin checks beyond the
+:class:`~zerohooks.hookspec.SetupContext` (conflicting sections, ZeRO++ quantization, gradient
+averaging) is :func:`read_settings`, and what it edits goes through :func:`set_grad_accum_dtype`
+and :func:`set_communication_data_type`.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,7 +21,15 @@ import torch
 from zerohooks.errors import ConfigError
 from zerohooks.hookspec import SetupContext
 
-__all__ = ["check_zero_optimizer", "engine_context", "setup_context"]
+__all__ = [
+    "DeepSpeedSettings",
+    "check_zero_optimizer",
+    "engine_context",
+    "read_settings",
+    "set_communication_data_type",
+    "set_grad_accum_dtype",
+    "setup_context",
+]
 
 
 def _enabled(section: Any) -> bool:
@@ -185,3 +197,85 @@ def engine_context(engine: Any, ds_config: dict[str, Any]) -> SetupContext:
         world_size=world,
         rank=rank,
     )
+
+
+_QUANTIZED_KEYS = (
+    "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights",
+    "zero_quantized_gradients",
+)
+
+
+@dataclass(frozen=True)
+class DeepSpeedSettings:
+    """DeepSpeed's settings a plugin checks its own against, read as written and never judged
+    (:func:`read_settings` raises nothing: the plugin names the conflict in its own words)."""
+
+    precision_sections: tuple[tuple[str, bool], ...]
+    """The enabled sections of ``"fp16"``, ``"bf16"``, ``"bfloat16"``, in that order, each with
+    True when it is the bare ``true`` DeepSpeed itself refuses (``{"enabled": true}``: False)."""
+    torch_autocast: bool
+    """DeepSpeed's own ``"torch_autocast"`` section is enabled."""
+    communication_data_type: Any
+    """``communication_data_type`` as written, or None."""
+    grad_accum_dtype: Any
+    """``data_types.grad_accum_dtype`` as written, or None."""
+    quantized: tuple[str, ...]
+    """The ZeRO++ quantization keys of ``zero_optimization`` that are on
+    (``zero_quantized_weights``, ``zero_quantized_nontrainable_weights``, ``zero_quantized_gradients``)."""
+    offload_optimizer: str | None
+    """``zero_optimization.offload_optimizer.device`` (``"none"`` read as None)."""
+    gradient_predivide_factor: Any
+    """``gradient_predivide_factor`` as written (1.0 when absent: DeepSpeed's default)."""
+    prescale_gradients: Any
+    """``prescale_gradients`` as written (False when absent)."""
+
+
+def _switched_on(section: Any) -> bool:
+    return section is True or _enabled(section)
+
+
+def read_settings(ds_config: dict[str, Any]) -> DeepSpeedSettings:
+    """The :class:`DeepSpeedSettings` of a DeepSpeed config (plugin sections removed)."""
+    zero = ds_config.get("zero_optimization") or {}
+    zero = zero if isinstance(zero, dict) else {}
+    types = ds_config.get("data_types")
+    types = types if isinstance(types, dict) else {}
+    return DeepSpeedSettings(
+        precision_sections=tuple(
+            (key, ds_config.get(key) is True)
+            for key in ("fp16", "bf16", "bfloat16")
+            if _switched_on(ds_config.get(key))
+        ),
+        torch_autocast=_switched_on(ds_config.get("torch_autocast")),
+        communication_data_type=ds_config.get("communication_data_type"),
+        grad_accum_dtype=types.get("grad_accum_dtype"),
+        quantized=tuple(key for key in _QUANTIZED_KEYS if zero.get(key)),
+        offload_optimizer=_device(zero, "offload_optimizer"),
+        gradient_predivide_factor=ds_config.get("gradient_predivide_factor", 1.0),
+        prescale_gradients=ds_config.get("prescale_gradients", False),
+    )
+
+
+def set_grad_accum_dtype(ds_config: dict[str, Any], name: str | None) -> None:
+    """Write ``data_types.grad_accum_dtype`` (a DeepSpeed dtype name such as ``"fp32"``) into a
+    plugin's private copy of the config, or remove it for None (and ``data_types`` with it when
+    nothing else is left there).  ``data_types`` is replaced by an edited copy (the user's own
+    dict is never changed)."""
+    types = ds_config.get("data_types")
+    if name is not None:
+        types = dict(types) if isinstance(types, dict) else {}
+        types["grad_accum_dtype"] = name
+        ds_config["data_types"] = types
+    elif isinstance(types, dict) and "grad_accum_dtype" in types:
+        rest = {k: v for k, v in types.items() if k != "grad_accum_dtype"}
+        if rest:
+            ds_config["data_types"] = rest
+        else:
+            del ds_config["data_types"]
+
+
+def set_communication_data_type(ds_config: dict[str, Any], name: str) -> None:
+    """Write ``communication_data_type`` (a DeepSpeed dtype name such as ``"fp32"``) into a
+    plugin's private copy of the config."""
+    ds_config["communication_data_type"] = name

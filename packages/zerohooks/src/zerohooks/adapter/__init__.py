@@ -69,7 +69,7 @@ def attach(engine: Any, registry: HookRegistry, setup: SetupContext, plugins: li
                 "these plugins"
             )
     try:
-        surface.check(engine, stage, [p.name for p in plugins])
+        surface.check(engine, stage, surface.seams_of(plugins))
         att.install_engine_patches()
         if stage_ok:
             if stage == 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +18,7 @@ from zerohooks.hookspec import ReduceBucket, SetupContext, StepContext
 from zerohooks.plugin import ZeroPlugin
 from zerohooks.registry import HookRegistry
 
-__all__ = ["Attachment", "attachment", "step_context"]
+__all__ = ["Attachment", "attachment", "bind_by_name", "step_context"]
 
 _MISSING = object()
 _attachments: weakref.WeakKeyDictionary[Any, Attachment] = weakref.WeakKeyDictionary()
@@ -37,11 +38,29 @@ def step_context(engine: Any) -> StepContext:
     return att.step_ctx
 
 
+def bind_by_name(original: Callable[..., Any]) -> Callable[..., dict[str, Any]]:
+    """A function binding a call's ``(*args, **kwargs)`` to ``original``'s parameters by name,
+    defaults applied: the wrappers read DeepSpeed's private signatures by name, never by position
+    (the signature is read once, when the wrapper is made)."""
+    signature = inspect.signature(original)
+
+    def bind(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    return bind
+
+
 class Attachment:
     """Everything zerohooks changed on one engine, and the means to change it back.
 
-    Only instance attributes are touched (a bound method shadowed on the object); DeepSpeed's
-    classes and modules are never modified, so other engines in the process are unaffected.
+    Only instance attributes are touched (a bound method shadowed on the object, an attribute
+    set on it), each recorded here and undone by :meth:`detach`; the adapter modifies no
+    DeepSpeed class or module.  The one object shared by the process it changes is DeepSpeed's
+    communication backend instance: its ``all_gather_into_tensor`` is shadowed while an attached
+    engine routes parameter all-gathers to a gatherer (:mod:`zerohooks.adapter.gather`; groups
+    without a route reach DeepSpeed's method unchanged), and removed with the last route.
     """
 
     def __init__(

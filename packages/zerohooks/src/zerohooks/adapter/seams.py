@@ -25,12 +25,17 @@ from typing import Any
 import torch
 
 from zerohooks.adapter.base import Attachment
+from zerohooks.adapter.lossscale import OwnedLossScaler, ScaleOwner, Zero0GradScaler, Zero0Scaling
 from zerohooks.registry import RemovableHandle
 from zerohooks.surface import ENGINE, ZERO3, ZERO12
 
 __all__ = [
+    "OwnedLossScaler",
+    "ScaleOwner",
+    "Zero0Scaling",
     "accumulate_separately",
     "check_before_save",
+    "note_optimizer_stepped",
     "own_loss_scaling",
     "read_checkpoints_mapped",
     "run_forward_in",
@@ -72,10 +77,24 @@ def widen_reduction_buffer(att: Attachment, dtype: torch.dtype) -> None:
     att.patch(att.engine.optimizer, "_gradient_reduction_buffer_dtype", make, _Z12)
 
 
-def stage_buckets_in_own_dtype(att: Attachment, dtype: torch.dtype, size: int) -> None:
+def stage_buckets_in_own_dtype(att: Attachment, dtype: torch.dtype) -> None:
     """ZeRO 1/2: the staging buffers of the bucket of communication dtype ``dtype`` are ``dtype``
-    (``size`` elements) each time DeepSpeed sets the buckets up (it allocates every bucket's
-    buffers in the model dtype)."""
+    each time DeepSpeed sets the buckets up (it allocates every bucket's buffers in the model
+    dtype), sized to what that bucket can ever hold: the parameters whose communication dtype is
+    ``dtype``, at most ``reduce_bucket_size`` elements.  Nothing is installed when gradients are
+    not staged (no ``contiguous_gradients``: they are flattened in their own dtype) or no
+    parameter is routed to that bucket."""
+    opt = att.engine.optimizer
+    if not opt.contiguous_gradients:
+        return
+    routed = [p for group in opt.bit16_groups for p in group if opt.get_param_comm_dtype(p) == dtype]
+    if not routed:
+        return
+    size = min(int(opt.reduce_bucket_size), sum(p.numel() for p in routed))
+    _stage_buckets(att, dtype, size)
+
+
+def _stage_buckets(att: Attachment, dtype: torch.dtype, size: int) -> None:
     opt = att.engine.optimizer
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -94,18 +113,20 @@ def stage_buckets_in_own_dtype(att: Attachment, dtype: torch.dtype, size: int) -
 
 
 def own_loss_scaling(
-    att: Attachment, *, zero_scaler: Any, zero0_scaler: Any, dynamic: bool
+    att: Attachment, *, zero_scaler: OwnedLossScaler, zero0: Zero0Scaling, dynamic: bool
 ) -> Callable[[], None]:
-    """Scale the loss with the plugin's scaler on every stage, and check gradients for overflow
+    """Scale the loss with the plugin's scale on every stage, and check gradients for overflow
     whatever the parameters' dtype (DeepSpeed checks only fp16 ones).
 
-    ``zero_scaler``: a DeepSpeed ``LossScalerBase`` for ZeRO 1-3 (``cur_scale``, ``scale_loss``,
-    ``update_scale``); ``zero0_scaler``: a ``torch.amp.GradScaler``-like object for ZeRO 0, whose
-    engine calls ``scale``/``unscale_``/``step``/``update``.  Returns what to call after a
-    checkpoint load (DeepSpeed restores its own pickled scaler object on ZeRO 1-3)."""
+    ``zero_scaler``: an :class:`~zerohooks.adapter.lossscale.OwnedLossScaler` over the plugin's
+    :class:`~zerohooks.adapter.lossscale.ScaleOwner`, for ZeRO 1-3 (a plugin may subclass it to
+    give the object DeepSpeed pickles into checkpoints its own import path); ``zero0``: the
+    plugin's :class:`~zerohooks.adapter.lossscale.Zero0Scaling` for ZeRO 0, put in the engine's
+    GradScaler slot by a :class:`~zerohooks.adapter.lossscale.Zero0GradScaler`.  Returns what to
+    call after a checkpoint load (DeepSpeed restores its own pickled scaler object on ZeRO 1-3)."""
     engine, opt = att.engine, att.engine.optimizer
     if att.setup.zero_stage == 0:
-        att.patch(engine, "torch_autocast_z0_gradscaler", _constant(zero0_scaler), _E)
+        att.patch(engine, "torch_autocast_z0_gradscaler", _constant(Zero0GradScaler(zero0)), _E)
         if "overflow" not in vars(opt):
             opt.overflow = False  # read by the engine to count skipped steps
 
@@ -134,6 +155,7 @@ def own_loss_scaling(
         att.patch(opt, "check_grad_overflow", _constant(True), what)
 
     def reinstall() -> None:
+        zero_scaler.in_use = zero_scaler.state.scale
         opt.loss_scaler = zero_scaler
 
     return reinstall
@@ -185,3 +207,10 @@ def read_checkpoints_mapped(att: Attachment) -> None:
     the RAM loads, as long as the plugin moves them elsewhere one piece at a time (nvmeswap's
     optimizer state, 12 bytes a parameter)."""
     att.map_checkpoint_reads = True
+
+
+def note_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Tell torch's learning-rate schedulers that ``optimizer`` took a step that did not go
+    through ``optimizer.step()`` (a plugin's fused kernel updating the parameters itself): they
+    wrap ``step`` and warn when the schedule steps first."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from zerohooks._compat import require_attr, require_attrs
 from zerohooks.adapter import gather
-from zerohooks.adapter.base import Attachment
+from zerohooks.adapter.base import Attachment, bind_by_name
 from zerohooks.errors import ConfigError
 
 _OPT = "DeepSpeedZeroOptimizer"
@@ -105,99 +105,112 @@ def _device() -> Any:
     return get_accelerator().current_device_name()
 
 
-def install(att: Attachment) -> None:
-    opt = att.engine.optimizer
-    reg = att.registry
-    counters = att.counters
-    require_attrs(opt, _NEEDS, _OPT)
-    att.check_default_averaging(float(opt.gradient_predivide_factor))
+def _install_micro_step(att: Attachment, opt: Any) -> None:
+    """``micro_step_grad`` hooks fire for each gradient DeepSpeed processes."""
+    if not att.registry.micro_step_grad.frozen:
+        return
 
-    if reg.micro_step_grad.frozen:
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        bind = bind_by_name(original)
 
-        def make_process(original: Callable[..., Any]) -> Callable[..., Any]:
-            def process_gradients(param: Any, i: int) -> Any:
-                att.fire_micro_step_grad(param)
-                return original(param, i)
+        def process_gradients(*args: Any, **kwargs: Any) -> Any:
+            att.fire_micro_step_grad(bind(*args, **kwargs)["param"])
+            return original(*args, **kwargs)
 
-            return process_gradients
+        return process_gradients
 
-        att.patch(opt, "process_gradients", make_process, _OPT)
+    att.patch(opt, "process_gradients", make, _OPT)
 
-    if att.patch_comm_dtype(opt, _OPT):
-        _ensure_buckets(att, opt)
-        _fit_bucket_buffers(att, opt)
 
-    if reg.reduce_tensor.frozen:
+def _install_reduce_tensor(att: Attachment, opt: Any) -> None:
+    """``reduce_tensor`` hooks choose the tensor handed to the collective."""
+    if not att.registry.reduce_tensor.frozen:
+        return
 
-        def make_tensor(original: Callable[..., Any]) -> Callable[..., Any]:
-            def get_gradient_for_reduction(param: Any) -> Any:
-                return att.reduce_tensor(param, original(param))
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        bind = bind_by_name(original)
 
-            return get_gradient_for_reduction
+        def get_gradient_for_reduction(*args: Any, **kwargs: Any) -> Any:
+            param = bind(*args, **kwargs)["param"]
+            return att.reduce_tensor(param, original(*args, **kwargs))
 
-        att.patch(opt, "get_gradient_for_reduction", make_tensor, _OPT)
+        return get_gradient_for_reduction
 
-    owner = reg.reducer.owner is not None
-    if owner and require_attr(opt, "sequence_parallel_size", _OPT) > 1:
-        raise ConfigError(
-            f"{reg.reducer.name!r} owns the gradient collective, which does not support sequence parallelism"
-        )
+    att.patch(opt, "get_gradient_for_reduction", make, _OPT)
 
-    # Who uses each slice of the bucket being all-reduced: DeepSpeed's multi-rank bucket path
-    # (use_multi_rank_bucket_allreduce, the default) all-reduces a bucket of slices and each rank
-    # keeps the slices of its own partition; the owner may then reduce each slice to its owner.
-    slice_owners: list[list[tuple[int, int]] | None] = []
 
-    def make_multi(original: Callable[..., Any]) -> Callable[..., Any]:
-        def allreduce_and_copy_with_multiple_ranks(small_bucket: Any, *args: Any, **kwargs: Any) -> Any:
-            ranks = kwargs.get("bucket_ranks", args[4] if len(args) > 4 else None)
-            owners: list[tuple[int, int]] | None = []
-            for t, r in zip(small_bucket, ranks or (), strict=False):
-                if isinstance(r, frozenset):
-                    r = next(iter(r)) if len(r) == 1 else None
-                if not isinstance(r, int) or owners is None:
-                    owners = None
-                    continue
-                owners.append((t.numel(), r))
-            if ranks is None or len(ranks) != len(small_bucket):
-                owners = None
-            slice_owners.append(owners)
+class _SliceOwners:
+    """Who uses each slice of the bucket being all-reduced, for the owner of the collective.
+
+    DeepSpeed's multi-rank bucket path (``use_multi_rank_bucket_allreduce``, the default)
+    all-reduces a bucket of slices and each rank keeps the slices of its own partition; the owner
+    may then reduce each slice to its owner.  One per attachment: the slices of the multi-rank
+    call in progress (calls nest only through ``allreduce_bucket``)."""
+
+    __slots__ = ("_stack",)
+
+    def __init__(self) -> None:
+        self._stack: list[list[tuple[int, int]] | None] = []
+
+    @staticmethod
+    def _read(small_bucket: Any, ranks: Any) -> list[tuple[int, int]] | None:
+        if ranks is None or len(ranks) != len(small_bucket):
+            return None
+        owners: list[tuple[int, int]] = []
+        for t, r in zip(small_bucket, ranks, strict=True):
+            if isinstance(r, frozenset):
+                r = next(iter(r)) if len(r) == 1 else None
+            if not isinstance(r, int):
+                return None
+            owners.append((t.numel(), r))
+        return owners
+
+    def make(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        bind = bind_by_name(original)
+
+        def allreduce_and_copy_with_multiple_ranks(*args: Any, **kwargs: Any) -> Any:
+            bound = bind(*args, **kwargs)
+            self._stack.append(self._read(bound["small_bucket"], bound.get("bucket_ranks")))
             try:
-                return original(small_bucket, *args, **kwargs)
+                return original(*args, **kwargs)
             finally:
-                slice_owners.pop()
+                self._stack.pop()
 
         return allreduce_and_copy_with_multiple_ranks
 
-    if owner:
-        att.patch(opt, "allreduce_and_copy_with_multiple_ranks", make_multi, _OPT)
+    def current(self, numel: int) -> list[tuple[int, int]] | None:
+        """The slices of the bucket of ``numel`` elements being all-reduced, or None."""
+        owners = self._stack[-1] if self._stack else None
+        return owners if owners is not None and sum(n for n, _ in owners) == numel else None
 
-    def make_bucket(original: Callable[..., Any]) -> Callable[..., Any]:
-        # Every gradient collective of ZeRO 1/2 (the IPG path through average_tensor and the
-        # non-contiguous fallbacks) ends in allreduce_bucket: one flat tensor per call.
-        def allreduce_bucket(
-            bucket: list[torch.Tensor],
-            communication_data_type: torch.dtype,
-            rank: int | None = None,
-            log: Any = None,
-            divide: bool = True,
-            process_group: Any = None,
-        ) -> Any:
-            numel = sum(t.numel() for t in bucket)
+
+def _install_bucket(att: Attachment, opt: Any, slices: _SliceOwners | None) -> None:
+    """Every gradient collective of ZeRO 1/2 (the IPG path through ``average_tensor`` and the
+    non-contiguous fallbacks) ends in ``allreduce_bucket``, one flat tensor per call: counted,
+    and handed to the owner of the collective when there is one (``slices`` not None)."""
+    counters = att.counters
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        bind = bind_by_name(original)
+
+        def allreduce_bucket(*args: Any, **kwargs: Any) -> Any:
+            bound = bind(*args, **kwargs)
+            bucket: list[torch.Tensor] = bound["bucket"]
+            dtype: torch.dtype = bound["communication_data_type"]
+            rank = bound.get("rank")
+            process_group = bound.get("process_group")
             collective = "all_reduce" if rank is None else "reduce"
-            nbytes = numel * communication_data_type.itemsize
-            counters.add(collective, communication_data_type, nbytes)
+            nbytes = sum(t.numel() for t in bucket) * dtype.itemsize
+            counters.add(collective, dtype, nbytes)
             group = opt.dp_process_group if process_group is None else process_group
-            if not owner:
+            if slices is None:
                 world = dist.get_world_size(group=group)
-                counters.add_default_wire(collective, communication_data_type, nbytes, world)
-                return original(bucket, communication_data_type, rank, log, divide, process_group)
+                counters.add_default_wire(collective, dtype, nbytes, world)
+                return original(*args, **kwargs)
             tensor = opt.flatten(bucket)
-            flat = tensor if tensor.dtype == communication_data_type else tensor.to(communication_data_type)
-            owners = slice_owners[-1] if slice_owners and rank is None else None
-            if owners is not None and sum(n for n, _ in owners) != flat.numel():
-                owners = None
-            average = bool(divide and opt.gradient_average)
+            flat = tensor if tensor.dtype == dtype else tensor.to(dtype)
+            owners = slices.current(flat.numel()) if rank is None else None
+            average = bool(bound.get("divide", True) and opt.gradient_average)
             att.owner_all_reduce(flat, group, average, collective=collective, owners=owners or ())
             if flat is not tensor:
                 tensor.copy_(flat)
@@ -205,18 +218,28 @@ def install(att: Attachment) -> None:
 
         return allreduce_bucket
 
-    att.patch(opt, "allreduce_bucket", make_bucket, _OPT)
+    att.patch(opt, "allreduce_bucket", make, _OPT)
 
-    def make_predivide(original: Callable[..., Any]) -> Callable[..., Any]:
-        # Used instead of the above when zero_optimization.reduce_scatter is false.
-        def gradient_reduction_w_predivide(tensor: torch.Tensor, communication_data_type: torch.dtype) -> Any:
-            nbytes = tensor.numel() * communication_data_type.itemsize
-            counters.add("all_reduce", communication_data_type, nbytes)
+
+def _install_predivide(att: Attachment, opt: Any, owner: bool) -> None:
+    """The collective used instead of ``allreduce_bucket`` when ``zero_optimization.reduce_scatter``
+    is false: counted, and handed to the owner of the collective when there is one."""
+    counters = att.counters
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        bind = bind_by_name(original)
+
+        def gradient_reduction_w_predivide(*args: Any, **kwargs: Any) -> Any:
+            bound = bind(*args, **kwargs)
+            tensor: torch.Tensor = bound["tensor"]
+            dtype: torch.dtype = bound["communication_data_type"]
+            nbytes = tensor.numel() * dtype.itemsize
+            counters.add("all_reduce", dtype, nbytes)
             if not owner or tensor.numel() == 0:
                 world = dist.get_world_size(group=opt.dp_process_group)
-                counters.add_default_wire("all_reduce", communication_data_type, nbytes, world)
-                return original(tensor, communication_data_type)
-            flat = tensor if tensor.dtype == communication_data_type else tensor.to(communication_data_type)
+                counters.add_default_wire("all_reduce", dtype, nbytes, world)
+                return original(*args, **kwargs)
+            flat = tensor if tensor.dtype == dtype else tensor.to(dtype)
             att.owner_all_reduce(flat, opt.dp_process_group, bool(opt.gradient_average))
             if flat is not tensor:
                 tensor.copy_(flat)
@@ -224,7 +247,29 @@ def install(att: Attachment) -> None:
 
         return gradient_reduction_w_predivide
 
-    att.patch(opt, "gradient_reduction_w_predivide", make_predivide, _OPT)
+    att.patch(opt, "gradient_reduction_w_predivide", make, _OPT)
+
+
+def install(att: Attachment) -> None:
+    opt = att.engine.optimizer
+    reg = att.registry
+    require_attrs(opt, _NEEDS, _OPT)
+    att.check_default_averaging(float(opt.gradient_predivide_factor))
+    _install_micro_step(att, opt)
+    if att.patch_comm_dtype(opt, _OPT):
+        _ensure_buckets(att, opt)
+        _fit_bucket_buffers(att, opt)
+    _install_reduce_tensor(att, opt)
+    owner = reg.reducer.owner is not None
+    if owner and require_attr(opt, "sequence_parallel_size", _OPT) > 1:
+        raise ConfigError(
+            f"{reg.reducer.name!r} owns the gradient collective, which does not support sequence parallelism"
+        )
+    slices = _SliceOwners() if owner else None
+    if slices is not None:
+        att.patch(opt, "allreduce_and_copy_with_multiple_ranks", slices.make, _OPT)
+    _install_bucket(att, opt, slices)
+    _install_predivide(att, opt, owner)
     # the all-gather of the updated partitions after each step (all_gather_dp_groups)
     if reg.gatherer.owner is not None:
         gather.install(att, list(require_attr(opt, "real_dp_process_group", _OPT)))

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerohooks import surface
 from zerohooks._compat import require_attr, require_attrs
 from zerohooks.adapter import gather
 from zerohooks.adapter.base import Attachment
@@ -16,7 +17,7 @@ from zerohooks.hookspec import ReduceBucket
 from zerohooks.registry import RemovableHandle
 
 _OPT = "DeepSpeedZeroOptimizer_Stage3"
-_MANGLE = "_DeepSpeedZeroOptimizer_Stage3__"
+_MANGLE = surface.ZERO3_PRIVATE
 _BUCKET_NEEDS = ("communication_data_type", "contiguous_gradients", "fp16_groups", "reduce_bucket_size")
 """Read by :func:`_ensure_buckets`."""
 _COLLECTIVE_NEEDS = (
