@@ -145,7 +145,7 @@ def test_the_scan_finds_an_undeclared_name(tmp_path: pathlib.Path) -> None:
     f = tmp_path / "probe.py"
     f.write_text(
         "def f(opt, att, p):\n"
-        "    opt.overlap_comm\n"  # attribute
+        "    opt.round_robin_gradients\n"  # attribute
         "    getattr(opt, 'partition_count')\n"  # by string
         "    att.patch(opt, _MANGLE + 'reduce_independent_p_g_buckets_and_remove_grads', make)\n"
         "    p.ds_persist = True\n"  # a parameter attribute DeepSpeed sets
@@ -153,7 +153,7 @@ def test_the_scan_finds_an_undeclared_name(tmp_path: pathlib.Path) -> None:
     )
     found = [entry.split(": ", 1)[1] for entry in _undeclared(f)]
     assert found == [
-        "overlap_comm",
+        "round_robin_gradients",
         "partition_count",
         "__reduce_independent_p_g_buckets_and_remove_grads",
         "ds_persist",
