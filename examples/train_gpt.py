@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import measure
 import nodes as emulated  # sibling modules of this script
+import outdir
 import runs as run_registry
 from launch import command_line, launch, registered_runs, where
 
@@ -78,7 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--runs",
         default=None,
         help="comma-separated runs to compare, each a registered name or a+b; 'all' for every "
-        f"registered run (default: {','.join(run_registry.DEFAULT_RUNS)}, those installed)",
+        f"registered run (default: {','.join(run_registry.DEFAULT_RUNS)}, those installed, each "
+        "after its like-for-like baselines: zero3 for nvmeswap, fp32 for autocastzero ...)",
     )
     g.add_argument(
         "--same-process",
@@ -111,7 +113,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--d-model", type=int, default=128, help="model width")
     g.add_argument("--heads", type=int, default=4, help="attention heads (must divide --d-model)")
     g = p.add_argument_group("output")
-    g.add_argument("--out", default="reports/demo", help="report folder (written by rank 0)")
+    g.add_argument(
+        "--out",
+        default=None,
+        help="report folder (written by rank 0); refused when it holds an earlier command's report, "
+        "unless --force (default: a new folder reports/<UTC time>-<runs> per command, "
+        "reports/latest linking to the newest)",
+    )
+    g.add_argument("--force", action="store_true", help="overwrite the report already in --out")
     emulated.add_arguments(p)
     args = p.parse_args(argv)
 
@@ -129,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     emulated.check_args(args, p.error)
     args.plugin_list = tuple(x for x in args.plugins.split(",") if x)
     if args.runs is None:
-        args.run_list = run_registry.default_runs()
+        args.run_list = run_registry.default_runs(expected_dtype(args), args.stage)
     elif args.runs.strip() == "all":
         args.run_list = list(run_registry.RUNS)
     else:
@@ -146,6 +155,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def expected_dtype(args: argparse.Namespace) -> str:
+    """The model dtype the ranks will train in (``--dtype auto`` resolved on this machine, as
+    ``resolve_dtype`` does in the ranks): it decides the default runs' baselines."""
+    if args.dtype != "auto":
+        return str(args.dtype)
+    import torch
+
+    cuda = torch.cuda.is_available() and args.nodes == 1
+    if not cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # zerohooks imports deepspeed
+    return "bf16" if fast_bf16(cuda) else "fp32"
+
+
 def list_runs(args: argparse.Namespace) -> None:
     import torch
 
@@ -153,7 +175,7 @@ def list_runs(args: argparse.Namespace) -> None:
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # zerohooks imports deepspeed
     world = args.nproc or (torch.cuda.device_count() if cuda else 2)
-    default = run_registry.default_runs()
+    default = run_registry.default_runs(expected_dtype(args), args.stage)
     print(f"Registered runs (examples/runs.py; * the default; [why not] with {world} rank(s) here):")
     for name, run in run_registry.RUNS.items():
         reason = run.skip_reason(where(args, world, cuda))
@@ -333,10 +355,14 @@ def train_one(
     link = emulated.LinkMeter(args.nodes > 1)
     link.start()
     swap0 = measure.swap_bytes(engine)
+    state_step = min(2, args.steps)
+    state_bytes: dict[str, int] = {}
+    load = [os.getloadavg()[0]] if hasattr(os, "getloadavg") else []
+    progress = Progress(run.name, args.steps, rank == 0 and not sys.stdout.isatty())
     bar = tqdm(
         total=args.steps,
         desc=f"{run.name}",
-        disable=rank != 0,
+        disable=rank != 0 or not sys.stdout.isatty(),  # else Progress prints lines
         dynamic_ncols=True,
         file=sys.stdout,
         mininterval=0.5,
@@ -345,15 +371,23 @@ def train_one(
         sync()
         t0 = time.perf_counter()
         step_loss = torch.zeros((), device=device)
-        for _ in range(args.grad_accum):
+        paused = 0.0
+        for micro in range(args.grad_accum):
             x, y = train.next()
             loss = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
             engine.backward(loss)
+            if step == state_step and micro == args.grad_accum - 1:
+                # the model state with every kind alive: gradients held, optimizer state made by
+                # the first step (the count is not part of the step time)
+                t_pause = time.perf_counter()
+                state_bytes = measure.model_state_bytes(engine)
+                paused = time.perf_counter() - t_pause
             engine.step()
             step_loss += loss.detach().float()
         loss_value = step_loss.item() / args.grad_accum
         sync()
-        dt = time.perf_counter() - t0
+        dt = time.perf_counter() - t0 - paused
+        progress.update(step)
         losses.append(loss_value)
         times.append(dt)
         comm.append(measure.step_comm_bytes(engine))
@@ -366,6 +400,7 @@ def train_one(
             if rank == 0:
                 bar.write(f"[{run.name}] step {step}: train loss {loss_value:.4f}, val loss {v:.4f}")
     bar.close()
+    load += [os.getloadavg()[0]] if hasattr(os, "getloadavg") else []
     crossed = link.stop()
     swap1 = measure.swap_bytes(engine)
     swapped = None if swap0 is None or swap1 is None else [b - a for a, b in zip(swap0, swap1, strict=True)]
@@ -384,6 +419,7 @@ def train_one(
         "peak": peak,
         "link": crossed,
         "swap": swapped,
+        "state_bytes": state_bytes,
     }
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
@@ -391,10 +427,17 @@ def train_one(
     offload = (zero_cfg.get("offload_optimizer") or {}).get("device")
     dtype = "bf16" if config.get("bf16", {}).get("enabled") else "fp32"
     dtype = "fp16" if config.get("fp16", {}).get("enabled") else dtype
+    autocast = (config.get("autocastzero") or {}).get("dtype") or (
+        "bfloat16" if (config.get("torch_autocast") or {}).get("enabled") else None
+    )
+    if autocast:  # fp32 parameters, the forward in a 16-bit dtype
+        dtype = f"{'fp16' if autocast in ('float16', 'fp16') else 'bf16'}-autocast"
     result: dict[str, Any] = {
         "name": run.name,
         "status": "ok",
         "help": run.help,
+        # the registered runs that differ from this one only by what it changes (runs.py)
+        "baselines": list(run.baselines(args.dtype, args.stage)),
         "zero_stage": zero_cfg.get("stage", 0),
         "dtype": dtype,
         "offload": offload if offload and offload != "none" else None,
@@ -405,6 +448,11 @@ def train_one(
         "step_time_s": [max(g["time"][i] for g in gathered) for i in range(args.steps)],
         "val_loss": val,
         "peak_memory_bytes": max(g["peak"] for g in gathered),
+        # per rank, bytes of model state by kind (measure.model_state_bytes) at step state_step
+        "state_bytes": [g["state_bytes"] for g in gathered],
+        "state_step": state_step,
+        # the 1-minute load average when the steps started and ended (rank 0), os.getloadavg
+        "load_avg": load,
         "memory_kind": memory_kind,
         "per_rank": gathered,
         # per step, summed over ranks: bytes handed to the gradient collectives (what DeepSpeed
@@ -456,6 +504,28 @@ def release(engine: Any, config: dict[str, Any], rank: int) -> None:
         dist.barrier()  # every rank has closed its swap files
         if rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+class Progress:
+    """A line every few seconds with the step, steps/s and the time left, for rank 0 when its
+    output is not a terminal (where tqdm's bar, redrawn in place, shows nothing until the end:
+    a pipe, a log file, nox's output)."""
+
+    def __init__(self, name: str, steps: int, enabled: bool, every_s: float = 5.0) -> None:
+        self.name, self.steps, self.enabled, self.every_s = name, steps, enabled, every_s
+        self.t0 = self.last = time.time()
+
+    def update(self, step: int) -> None:
+        now = time.time()
+        if not self.enabled or (now - self.last < self.every_s and step < self.steps):
+            return
+        self.last = now
+        rate = step / max(now - self.t0, 1e-9)
+        eta = (self.steps - step) / rate if rate else float("nan")
+        print(
+            f"[{self.name}] step {step}/{self.steps}, {rate:.2f} steps/s, about {eta:.0f} s left",
+            flush=True,
+        )
 
 
 class _DropMessages(logging.Filter):
@@ -541,6 +611,7 @@ def worker(args: argparse.Namespace) -> int:
             "command": os.environ.get("TRAIN_GPT_COMMAND") or command_line(),
             "launch_t0": float(os.environ.get("TRAIN_GPT_T0", "0")) or T_IMPORT,
             "world_size": world,
+            "cpu_count": os.cpu_count(),
             "backend": backend,
             "device": torch.cuda.get_device_name(0)
             if cuda
@@ -630,7 +701,18 @@ def main(argv: list[str] | None = None) -> int:
         list_runs(args)
         return 0
     if "RANK" not in os.environ:
-        return launch(args, argv, Path(__file__).resolve(), T_IMPORT)
+        try:
+            folder = outdir.choose(args.out, args.force, outdir.run_set_tag(args.runs, args.nodes))
+        except outdir.OutExists as e:
+            print(f"train_gpt: error: {e}", file=sys.stderr)
+            return 2
+        folder.mkdir(parents=True, exist_ok=True)
+        outdir.point_latest(folder)
+        args.out = str(folder)
+        print(f"train_gpt: report folder {folder}", flush=True)
+        return launch(args, [*argv, "--out", str(folder), "--force"], Path(__file__).resolve(), T_IMPORT)
+    if args.out is None:  # started by torchrun itself: rank 0 names the folder, the others write nothing
+        args.out = str(outdir.new_folder(outdir.run_set_tag(args.runs, args.nodes)))
     try:
         return worker(args)
     except KeyboardInterrupt:
