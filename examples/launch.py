@@ -143,7 +143,15 @@ def launch(
                 for spec in args.run_list:
                     name = run_registry.resolve(spec, args.plugin_list).name
                     if name not in done:
-                        _append_state(state, {"name": name, "status": "not reached", "reason": "interrupted"})
+                        now = spec in todo  # training when the signal came, else not started
+                        _append_state(
+                            state,
+                            {
+                                "name": name,
+                                "status": "interrupted" if now else "not reached",
+                                "reason": "stopped by a signal" + ("" if now else " before it started"),
+                            },
+                        )
                 finish_report(args.out, 130, json.loads(state.read_text()), args, t0)
                 return 130
             done_runs += sum(1 for s in todo if not skips[s])

@@ -457,7 +457,7 @@ def plot_comm(results: list[Result], path: Path) -> None:
         return
     rows = sum(len(h) + len(w or {}) for h, w in per_run.values())
     fig, (ax, bx) = plt.subplots(
-        1, 2, figsize=(13, max(4.8, 1.6 + 0.3 * rows)), dpi=110, gridspec_kw={"width_ratios": [1, 1.5]}
+        1, 2, figsize=(13, max(4.8, 1.6 + 0.3 * rows)), dpi=110, gridspec_kw={"width_ratios": [1.4, 1.3]}
     )
     mib = 2**20
     ref_name, ratios = wire_ratios(results)
@@ -473,7 +473,7 @@ def plot_comm(results: list[Result], path: Path) -> None:
             ax.bar(x + 0.2, w, width=0.38, color=color, edgecolor=color, linewidth=1.5)
             ratio = ratios.get(name)
             note = f"{w:.2f}" + (f"\n{ratio:.2f}x" if ratio is not None and name != ref_name else "")
-            ax.annotate(note, (x + 0.2, w), ha="center", va="bottom", fontsize=8)
+            ax.annotate(note, (x + 0.2, w), ha="center", va="bottom", fontsize=7)
             top = max(top, w)
     ax.set_ylim(0, top * 1.45 or 1.0)  # room for the labels under the legend
     ax.set_xticks(range(len(per_run)), list(per_run), rotation=35, ha="right", fontsize=8)
