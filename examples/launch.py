@@ -87,7 +87,9 @@ def launch(
     ]  # our options go through the environment: torchrun's parser would take e.g. --nproc as its own
     here = where(args, nproc, bool(n_gpu))
     skips = {spec: run_registry.resolve(spec, args.plugin_list).skip_reason(here) for spec in args.run_list}
-    prebuild(argparse.Namespace(**{**vars(args), "run_list": [s for s in args.run_list if not skips[s]]}))
+    trained = [s for s in args.run_list if not skips[s]]
+    print(f"train_gpt: {expected_time(len(trained), args.steps)}", flush=True)
+    prebuild(argparse.Namespace(**{**vars(args), "run_list": trained}))
     where_text = f"{nproc} GPU rank(s), NCCL" if n_gpu else f"{nproc} CPU rank(s), gloo"
     where_text = emulated.describe(args) if args.nodes > 1 else where_text
     batches = [list(args.run_list)] if args.same_process else [[s] for s in args.run_list]
@@ -102,8 +104,6 @@ def launch(
     env["TRAIN_GPT_COMMAND"] = command_line()
     env["TRAIN_GPT_LAUNCH"] = f"{os.getpid()}-{int(t0)}"
     first_rc = 0
-    trained = [s for s in args.run_list if not skips[s]]
-    print(f"train_gpt: {expected_time(len(trained), args.steps)}", flush=True)
     t_runs = time.time()
     done_runs = 0
     with tempfile.TemporaryDirectory(prefix="train_gpt_") as tmp, cleanup_on_signal(env["TRAIN_GPT_LAUNCH"]):
@@ -173,7 +173,7 @@ def launch(
     return first_rc
 
 
-SECONDS_PER_STEP = 0.55
+SECONDS_PER_STEP = 0.4
 """Rough seconds per optimizer step of the default model on an idle 2-core machine (2 CPU ranks,
 bf16), ZeRO 3 and swap runs included (benchmarks/RESULTS.md), for the expected time only."""
 SECONDS_PER_LAUNCH = 18.0
