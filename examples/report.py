@@ -1,7 +1,7 @@
 """The demo's report folder: loss.png, comm_bytes.png, report.md and results.json.
 
 Works from the plain dicts that ``train_gpt.py`` collects (one per run), so a report can be
-redrawn from a saved ``results.json``: ``python examples/report.py reports/demo``.
+redrawn from a saved ``results.json``: ``python examples/report.py reports/latest``.
 """
 
 from __future__ import annotations
@@ -181,6 +181,7 @@ def plugin_section(results: list[Result], meta: dict[str, Any]) -> list[str]:
             "the optimizer state in RAM (and DeepSpeed's NVMe offload where it ran), loco against "
             "DeepSpeed's bf16 reduction, mixedlayers against the same 16-bit model, autocastzero "
             "against fp32 without autocast. Baselines themselves are compared with the first run.",
+            *report_state.left_out_lines(meta),
             *report_state.memory_lines(),
             *report_state.noise_lines(results, meta.get("cpu_count")),
             "- gradient error vs fp64: after training, one more optimizer step's micro-steps (not "

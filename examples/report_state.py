@@ -108,8 +108,20 @@ def time_ratio(r: Result, ref: Result) -> str | None:
     if any(math.isnan(x) or x <= 0 for x in (*a, *b)):
         return None
     ratio, lo, hi = a[1] / b[1], a[0] / b[2], a[2] / b[0]
-    noise = "within the noise" if lo <= 1 <= hi else "outside the steps' spread"
-    return f"step time {ratio:.2f}x (steps' spread {lo:.2f}-{hi:.2f}x, {noise})"
+    noise = "within the noise" if lo <= 1 <= hi else "beyond the steps' spread, still one run each"
+    la, lb = r.get("load_avg") or [], ref.get("load_avg") or []
+    load = f"; load {_span(la)} vs {_span(lb)}" if la and lb else ""
+    return f"step time {ratio:.2f}x (steps' spread {lo:.2f}-{hi:.2f}x, {noise}{load})"
+
+
+def _span(xs: list[float]) -> str:
+    return f"{min(xs):.1f}" if max(xs) - min(xs) < 0.05 else f"{min(xs):.1f}-{max(xs):.1f}"
+
+
+def left_out_lines(meta: dict[str, Any]) -> list[str]:
+    """The like-for-like baselines this command did not train, with the reason."""
+    left = meta.get("baselines_left_out") or {}
+    return [f"- baseline `{name}` not trained here: {why}." for name, why in left.items()]
 
 
 def load_range(results: list[Result]) -> tuple[float, float] | None:

@@ -168,6 +168,19 @@ def expected_dtype(args: argparse.Namespace) -> str:
     return "bf16" if fast_bf16(cuda) else "fp32"
 
 
+def baselines_left_out(args: argparse.Namespace) -> dict[str, str]:
+    """The like-for-like baselines of the requested runs that this command does not train, and why."""
+    runs = [run_registry.resolve(s, args.plugin_list) for s in args.run_list]
+    names = {r.name for r in runs}
+    out: dict[str, str] = {}
+    for run in runs:
+        for base in run.baselines(args.dtype, args.stage):
+            if base not in names and base not in out:
+                why = run_registry.left_out_baseline(base) if base in run_registry.RUNS else None
+                out[base] = f"{run.name}'s baseline, " + (why or "not in --runs")
+    return out
+
+
 def list_runs(args: argparse.Namespace) -> None:
     import torch
 
@@ -656,6 +669,7 @@ def worker(args: argparse.Namespace) -> int:
         meta["registered_runs"] = registered_runs()
         meta["runs_requested"] = [run_registry.resolve(s, args.plugin_list).name for s in args.run_list]
         meta["one_process_per_run"] = not args.same_process and state is not None
+        meta["baselines_left_out"] = baselines_left_out(args)
         here = where(args, world, cuda)
         for spec in specs:
             run = run_registry.resolve(spec, args.plugin_list)

@@ -149,7 +149,8 @@ def test_a_ratio_inside_the_steps_spread_is_called_noise(demo: dict[str, ModuleT
     b = _result("b", [], [110, 130, 110, 130, 110, 130], {})
     c = _result("c", [], [300, 310, 300, 310, 300, 310], {})
     assert "within the noise" in rs.time_ratio(a, b)
-    assert "outside the steps' spread" in rs.time_ratio(c, b)
+    assert "beyond the steps' spread, still one run each" in rs.time_ratio(c, b)
+    assert "load 2.0-3.5 vs 2.0-3.5" in rs.time_ratio(c, b)
 
 
 def test_the_autocast_row_says_bf16_autocast(demo: dict[str, ModuleType]) -> None:
@@ -276,3 +277,16 @@ def test_the_test_command_prints_its_plan_first() -> None:
     assert "tests(zerohooks)" in full.stderr and "typecheck" in full.stderr
     text = (ROOT / "run.sh").read_text()
     assert text.index("tools/test_plan.py") < text.index('exec "${nox_cmd[@]}" "$@"')
+
+
+def test_the_report_names_the_baselines_not_trained(demo: dict[str, ModuleType]) -> None:
+    import train_gpt
+
+    args = train_gpt.parse_args(["--runs", "nvmeswap,loco", "--dtype", "bf16"])
+    left = train_gpt.baselines_left_out(args)
+    assert left["zero3"] == "nvmeswap's baseline, not in --runs"
+    assert left["baseline"] == "loco's baseline, not in --runs"
+    lines = demo["report_state"].left_out_lines({"baselines_left_out": left})
+    assert "- baseline `zero3` not trained here: nvmeswap's baseline, not in --runs." in lines
+    args = train_gpt.parse_args(["--runs", "zero3,nvmeswap,baseline,loco", "--dtype", "bf16"])
+    assert set(train_gpt.baselines_left_out(args)) <= {"ds-nvme"}
