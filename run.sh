@@ -5,7 +5,9 @@
 #   bash run.sh test [nox options]    the test suite: `nox` (every package, integration, frameworks, lint, typecheck)
 #   bash run.sh gpu-bundle DIR [opts] a folder that runs the GPU suite on a machine without network
 #                                     (tools/gpu_bundle.py; then on that machine: bash DIR/run_suite.sh)
-# It installs what is missing (nox, uv; g++ / libaio-dev through apt when needed), then runs nox,
+#   bash run.sh --help                these lines' usage; installs nothing
+# It checks the command first (an unknown one is named, with the commands), then installs what is
+# missing (nox, uv into $PYTHON with pip; g++ / libaio-dev through apt when needed), then runs nox,
 # which builds its own virtual environments with torch pinned by constraints.txt. `demo` reuses its
 # venv without installing when packages/*/pyproject.toml, constraints.txt and examples/requirements.txt
 # are unchanged (ZEROHOOKS_REINSTALL=1 forces the install), and builds the plugins' C++ kernels before
