@@ -5,7 +5,9 @@
 #   bash run.sh test [nox options]    the test suite: `nox` (every package, integration, frameworks, lint, typecheck)
 #   bash run.sh gpu-bundle DIR [opts] a folder that runs the GPU suite on a machine without network
 #                                     (tools/gpu_bundle.py; then on that machine: bash DIR/run_suite.sh)
-# It installs what is missing (nox, uv; g++ / libaio-dev through apt when needed), then runs nox,
+#   bash run.sh --help                these lines' usage; installs nothing
+# It checks the command first (an unknown one is named, with the commands), then installs what is
+# missing (nox, uv into $PYTHON with pip; g++ / libaio-dev through apt when needed), then runs nox,
 # which builds its own virtual environments with torch pinned by constraints.txt. `demo` reuses its
 # venv without installing when packages/*/pyproject.toml, constraints.txt and examples/requirements.txt
 # are unchanged (ZEROHOOKS_REINSTALL=1 forces the install), and builds the plugins' C++ kernels before
@@ -19,6 +21,36 @@ export PYTHONUNBUFFERED=1
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 log() { printf 'run.sh: %s\n' "$*" >&2; }
+
+COMMANDS="demo, examples, test, gpu-bundle"
+usage() {
+    cat <<'USAGE'
+usage: bash run.sh COMMAND [options]
+  demo [demo options]      the training demo (examples/train_gpt.py; bash run.sh demo --help for its options)
+  examples [options]       the Trainer and accelerate examples under torchrun
+  test [nox options]       the test suite (nox: every package, integration, frameworks, lint, typecheck)
+  gpu-bundle DIR [opts]    a folder that runs the GPU suite on a machine without network
+  --help                   this text (installs nothing)
+USAGE
+}
+
+# --- the command first: a misspelt command or --help installs nothing --------------------------
+case "${1:-}" in
+-h | --help | help)
+    usage
+    exit 0
+    ;;
+demo | examples | test | gpu-bundle) ;;
+"")
+    log "no command given; commands: $COMMANDS"
+    usage >&2
+    exit 2
+    ;;
+*)
+    log "unknown command '$1'; commands: $COMMANDS (bash run.sh --help)"
+    exit 2
+    ;;
+esac
 
 # --- system packages, only when really needed ------------------------------------------------
 apt_packages=()
@@ -73,6 +105,7 @@ examples)
     ;;
 test)
     shift
+    "$PYTHON" tools/test_plan.py "$@" || true # the sessions and the minutes they took here, before they start
     exec "${nox_cmd[@]}" "$@"
     ;;
 gpu-bundle)
@@ -81,8 +114,8 @@ gpu-bundle)
     cd "${OLDPWD:-$PWD}" # DIR is relative to where run.sh was started (the cd above set OLDPWD)
     exec "$PYTHON" "$here/tools/gpu_bundle.py" "$@"
     ;;
-*)
-    echo "usage: bash run.sh demo [demo options] | bash run.sh examples [example options] | bash run.sh test [nox options] | bash run.sh gpu-bundle DIR [options]" >&2
+*) # not reached: the command was checked above
+    usage >&2
     exit 2
     ;;
 esac

@@ -6,6 +6,7 @@ failed, and writes the final report with the command's wall time."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +87,9 @@ def launch(
     ]  # our options go through the environment: torchrun's parser would take e.g. --nproc as its own
     here = where(args, nproc, bool(n_gpu))
     skips = {spec: run_registry.resolve(spec, args.plugin_list).skip_reason(here) for spec in args.run_list}
-    prebuild(argparse.Namespace(**{**vars(args), "run_list": [s for s in args.run_list if not skips[s]]}))
+    trained = [s for s in args.run_list if not skips[s]]
+    print(f"train_gpt: {expected_time(len(trained), args.steps)}", flush=True)
+    prebuild(argparse.Namespace(**{**vars(args), "run_list": trained}))
     where_text = f"{nproc} GPU rank(s), NCCL" if n_gpu else f"{nproc} CPU rank(s), gloo"
     where_text = emulated.describe(args) if args.nodes > 1 else where_text
     batches = [list(args.run_list)] if args.same_process else [[s] for s in args.run_list]
@@ -100,11 +104,20 @@ def launch(
     env["TRAIN_GPT_COMMAND"] = command_line()
     env["TRAIN_GPT_LAUNCH"] = f"{os.getpid()}-{int(t0)}"
     first_rc = 0
-    with tempfile.TemporaryDirectory(prefix="train_gpt_") as tmp:
+    t_runs = time.time()
+    done_runs = 0
+    with tempfile.TemporaryDirectory(prefix="train_gpt_") as tmp, cleanup_on_signal(env["TRAIN_GPT_LAUNCH"]):
         state = Path(tmp, "results.json")  # the runs so far, handed from launch to launch
         state.write_text("[]")
         env["TRAIN_GPT_STATE"] = str(state)
         for batch in batches:
+            if done_runs and len(trained) > done_runs:
+                left = (time.time() - t_runs) / done_runs * (len(trained) - done_runs)
+                print(
+                    f"train_gpt: {done_runs} of {len(trained)} run(s) done; about {left / 60:.1f} min "
+                    "left at this pace",
+                    flush=True,
+                )
             todo = [s for s in batch if not (skips[s] and not args.same_process)]
             for spec in batch:
                 if spec not in todo:  # said here, without starting ranks for it
@@ -123,10 +136,25 @@ def launch(
                 if args.nodes > 1:
                     rc = emulated.run(args, cmd[-1], env)
                 else:
-                    rc = subprocess.run(cmd, env=env).returncode
+                    rc = _run_ranks(cmd, env)
             except KeyboardInterrupt:
-                print("train_gpt: interrupted", file=sys.stderr)
+                print("train_gpt: interrupted; the report lists the runs not reached", file=sys.stderr)
+                done = {r["name"] for r in json.loads(state.read_text())}
+                for spec in args.run_list:
+                    name = run_registry.resolve(spec, args.plugin_list).name
+                    if name not in done:
+                        now = spec in todo  # training when the signal came, else not started
+                        _append_state(
+                            state,
+                            {
+                                "name": name,
+                                "status": "interrupted" if now else "not reached",
+                                "reason": "stopped by a signal" + ("" if now else " before it started"),
+                            },
+                        )
+                finish_report(args.out, 130, json.loads(state.read_text()), args, t0)
                 return 130
+            done_runs += sum(1 for s in todo if not skips[s])
             if rc != 0:
                 why = [p.read_text().strip() for p in sorted(errors.glob("rank*.txt"))]
                 print(
@@ -143,6 +171,62 @@ def launch(
                 first_rc = first_rc or rc
         finish_report(args.out, first_rc, json.loads(state.read_text()), args, t0)
     return first_rc
+
+
+SECONDS_PER_STEP = 0.4
+"""Rough seconds per optimizer step of the default model on an idle 2-core machine (2 CPU ranks,
+bf16), ZeRO 3 and swap runs included (benchmarks/RESULTS.md), for the expected time only."""
+SECONDS_PER_LAUNCH = 18.0
+"""Rough seconds to start a run's ranks, build its engine and evaluate (the same machine)."""
+
+
+def expected_time(n_runs: int, steps: int) -> str:
+    """What the command is expected to take on an idle 2-core machine, in words."""
+    s = n_runs * (SECONDS_PER_LAUNCH + steps * SECONDS_PER_STEP)
+    return (
+        f"{n_runs} run(s) of {steps} steps to train: about {s / 60:.0f} min on an idle 2-core machine "
+        "(more under load, less on GPUs); the time left is said after each run"
+    )
+
+
+def _run_ranks(cmd: list[str], env: dict[str, str]) -> int:
+    """Run torchrun and wait; on an interrupt (SIGINT, or SIGTERM turned into one) stop it first
+    (torchrun stops its ranks), so that no rank outlives the command."""
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        raise
+
+
+@contextlib.contextmanager
+def cleanup_on_signal(launch_id: str) -> Iterator[None]:
+    """While the runs train: SIGTERM (and SIGHUP) act as Ctrl-C (KeyboardInterrupt), so the
+    launch's temporary folder goes however the command ends; on the way out, the swap folders of
+    this launch's runs (``runs.swap_folder``) go too, and their parent if it is left empty."""
+    import signal
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        parent = Path(run_registry.swap_folder("x")).parent
+        for folder in parent.glob(f"{launch_id}-*"):
+            shutil.rmtree(folder, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            parent.rmdir()  # only when empty: another command's folders stay
 
 
 def _append_state(state: Path, result: dict[str, Any]) -> None:

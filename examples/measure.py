@@ -144,3 +144,164 @@ def sum_over_ranks(per_rank: list[list[Any]], steps: int) -> list[dict[str, dict
                     d[dt_name] = d.get(dt_name, 0) + n
         summed.append(step_sum)
     return summed
+
+
+# --- model state by kind --------------------------------------------------------------------
+
+STATE_KINDS = (
+    "parameters",
+    "master parameters",
+    "gradients",
+    "gradient buckets",
+    "optimizer state",
+    "swap buffers",
+    "error buffers",
+    "other",
+)
+"""The kinds of :func:`model_state_bytes`, in the report's order."""
+_PLUGIN_PARTS = {
+    "loco": (("state.buffers", "error buffers"), ("state.snapshots", "error buffers")),
+    "nvmeswap": (("state.slots", "swap buffers"),),
+}
+"""Where a plugin keeps the state the report names (attribute paths from the plugin object);
+the rest of a plugin's tensors (loco's workspaces) count as "other"."""
+
+
+def _optimizer_attr_kind(name: str) -> str:
+    """The kind of a ZeRO optimizer's tensor attribute, from its name (DeepSpeed's own names:
+    ``bit16_groups_flat``, ``single_partition_of_fp32_groups``, ``averaged_gradients``, ``ipg_buffer``,
+    ``fp32_partitioned_groups_flat``, ``grad_partitions_flat_buffer`` ...)."""
+    n = name.lower()
+    if "ipg" in n or "bucket" in n:
+        return "gradient buckets"
+    if "grad" in n:
+        return "gradients"
+    if "fp32" in n or "master" in n:
+        return "master parameters"
+    if any(k in n for k in ("fp16", "bf16", "bit16", "param", "partition", "flat")):
+        return "parameters"
+    return "other"
+
+
+def _skip(obj: Any) -> bool:
+    """Objects a walk does not enter: modules, optimizers, process groups, engines, classes."""
+    import torch
+
+    return (
+        isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, type))
+        or type(obj).__module__.startswith(("torch.distributed", "deepspeed.comm", "threading"))
+        or (hasattr(obj, "module") and hasattr(obj, "optimizer"))
+    )
+
+
+def _attributes(obj: Any) -> list[Any]:
+    """The values of an object's attributes: its ``__dict__`` and its classes' ``__slots__``."""
+    values = list(getattr(obj, "__dict__", {}).values())
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__"):
+                values.append(getattr(obj, name, None))
+    return values
+
+
+def _tensors(obj: Any, depth: int, seen: set[int]) -> Iterator[Any]:
+    """The tensors reachable from ``obj`` through lists, tuples, dicts and (for plain objects)
+    attributes, ``depth`` levels deep; each object once."""
+    import torch
+
+    if id(obj) in seen or depth < 0:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        if obj.grad is not None:
+            yield obj.grad
+        return
+    if isinstance(obj, (str, bytes, int, float, bool)) or obj is None:
+        return
+    if isinstance(obj, dict):
+        items: Any = obj.values()
+    elif isinstance(obj, (list, tuple, set)):
+        items = obj
+    elif not _skip(obj):
+        items = _attributes(obj)
+    else:
+        return
+    for item in list(items):
+        yield from _tensors(item, depth - 1, seen)
+
+
+def model_state_bytes(engine: Any) -> dict[str, int]:
+    """This rank's bytes of model state by kind (:data:`STATE_KINDS`), counted from the tensors
+    the engine holds: the module's parameters (ZeRO 3: this rank's partition ``ds_tensor``) and
+    their ``.grad``; the ZeRO optimizer's tensor attributes by name (16-bit flat buffers:
+    parameters; fp32 partitions: master parameters; gradient partitions and buffers: gradients);
+    the torch optimizer's ``state`` (Adam's moments and step counts: optimizer state); every
+    zerohooks plugin's tensors (nvmeswap: swap buffers, loco: error buffers).  A byte of memory
+    is counted once, under the first kind that reached it, however many tensors view it (the
+    parameters are views into the flat buffers).  Bytes on disk and meta tensors count nothing."""
+    import torch
+
+    found: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for p in engine.module.parameters():
+        local = getattr(p, "ds_tensor", None)
+        for t in (local if local is not None else p.data, p.grad):
+            if t is not None:
+                found.append(("parameters" if t is not p.grad else "gradients", t))
+        seen.add(id(p))
+    opt = getattr(engine, "optimizer", None)
+    inner = getattr(opt, "optimizer", None) if opt is not None else None
+    for base in (inner, opt if isinstance(opt, torch.optim.Optimizer) else None):
+        for state in (getattr(base, "state", None) or {}).values():
+            found += [("optimizer state", t) for t in _tensors(state, 2, seen)]
+    if opt is not None and not isinstance(opt, torch.optim.Optimizer):
+        for name, value in vars(opt).items():
+            if value is not inner and not _skip(value):
+                found += [(_optimizer_attr_kind(name), t) for t in _tensors(value, 3, seen)]
+    plugins: Any = ()
+    with contextlib.suppress(ImportError):
+        import zerohooks
+
+        plugins = getattr(zerohooks.attachment(engine), "plugins", ())
+    for plugin in plugins:
+        for path, kind in _PLUGIN_PARTS.get(getattr(plugin, "name", ""), ()):
+            part: Any = plugin
+            for attr in path.split("."):
+                part = getattr(part, attr, None)
+            found += [(kind, t) for t in _tensors(part, 3, seen)]
+        found += [("other", t) for t in _tensors(plugin, 4, seen)]
+    return _count_once(found)
+
+
+def _count_once(found: list[tuple[str, Any]]) -> dict[str, int]:
+    """Bytes by kind, each byte of each storage once (the union of the tensors' byte ranges in
+    their storage), under the first kind listed for it."""
+    by_storage: dict[int, list[tuple[int, int, str]]] = {}
+    for kind, t in found:
+        if t.device.type == "meta" or t.numel() == 0:
+            continue
+        start = t.data_ptr()
+        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(
+            (start, start + t.numel() * t.element_size(), kind)
+        )
+    out = dict.fromkeys(STATE_KINDS, 0)
+    for ranges in by_storage.values():
+        covered: list[tuple[int, int]] = []  # byte ranges already counted in this storage
+        for lo, hi, kind in ranges:
+            new = _uncovered(lo, hi, covered)
+            out[kind] += new
+            covered.append((lo, hi))
+    return {k: v for k, v in out.items() if v}
+
+
+def _uncovered(lo: int, hi: int, covered: list[tuple[int, int]]) -> int:
+    """Bytes of [lo, hi) not in any of the ``covered`` ranges."""
+    cuts = sorted((max(a, lo), min(b, hi)) for a, b in covered if a < hi and b > lo)
+    free, at = 0, lo
+    for a, b in cuts:
+        if a > at:
+            free += a - at
+        at = max(at, b)
+    return free + max(0, hi - at)

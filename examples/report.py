@@ -1,7 +1,7 @@
 """The demo's report folder: loss.png, comm_bytes.png, report.md and results.json.
 
 Works from the plain dicts that ``train_gpt.py`` collects (one per run), so a report can be
-redrawn from a saved ``results.json``: ``python examples/report.py reports/demo``.
+redrawn from a saved ``results.json``: ``python examples/report.py reports/latest``.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 from typing import Any
+
+import report_state
 
 Result = dict[str, Any]
 
@@ -102,8 +104,8 @@ def _dtype_split(dtypes: dict[str, int] | None) -> str:
 
 
 def changes(r: Result, ref: Result | None) -> list[str]:
-    """In words, what run ``r`` changed against the reference run ``ref`` (the first trained),
-    by how much: each measured figure that differs."""
+    """In words, what run ``r`` changed against the reference run ``ref`` (its like-for-like
+    baseline, ``report_state.references``), by how much: each measured figure that differs."""
     out: list[str] = []
     if ref is None or r is ref:
         return out
@@ -133,9 +135,12 @@ def changes(r: Result, ref: Result | None) -> list[str]:
         out.append(
             f"swap files: {human_bytes(disk['written'])} written, {human_bytes(disk['read'])} read /step"
         )
-    t, t0 = s["step_time_ms"], s0["step_time_ms"]
-    if t0 and not math.isnan(t) and not math.isnan(t0):
-        out.append(f"step time {t / t0:.2f}x")
+    state = report_state.state_change(r, ref)
+    if state:
+        out.append(state)
+    timing = report_state.time_ratio(r, ref)
+    if timing:
+        out.append(timing)
     loss, loss0 = s["final_val_loss"], s0["final_val_loss"]
     if not math.isnan(loss) and not math.isnan(loss0):
         out.append(f"final val loss {loss - loss0:+.4f}")
@@ -148,26 +153,37 @@ def plugin_section(results: list[Result], meta: dict[str, Any]) -> list[str]:
     ok = [r for r in results if r.get("status") == "ok"]
     lines: list[str] = []
     if len(ok) > 1:
-        ref = ok[0]
         lines += [
             "",
-            f"## What each run changed, against {ref['name']}",
+            "## What each run changed, against its like-for-like baseline",
             "",
-            "| run | what it does | what changed, by how much | gradient error vs fp64 | parameters by dtype "
-            "| swap-file bytes /step |",
-            "|---|---|---|---|---|---|",
+            "| run | against | what it does | what changed, by how much | model state /rank (rank 0) "
+            "| gradient error vs fp64 | parameters by dtype | swap-file bytes /step |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in ok:
             disk = r.get("disk_bytes_per_step")
             err = r.get("grad_error")
-            said = "; ".join(changes(r, ref)) or ("(the reference)" if r is ref else "nothing measured")
-            lines.append(
-                f"| {r['name']} | {r.get('help', '')} | {said} | {'n/a' if err is None else f'{err:.2e}'} | "
-                f"{_dtype_split(r.get('param_dtypes'))} | "
-                f"{'none' if not disk else human_bytes(disk['written'] + disk['read'])} |"
-            )
+            refs, like = report_state.references(r, results)
+            for ref in refs or [None]:
+                said = "; ".join(changes(r, ref)) or ("(a reference)" if ref is None else "nothing measured")
+                against = "-" if ref is None else ref["name"] + ("" if like else " (not like for like)")
+                lines.append(
+                    f"| {r['name']} | {against} | {r.get('help', '')} | {said} | "
+                    f"{report_state.state_cell(r)} | {'n/a' if err is None else f'{err:.2e}'} | "
+                    f"{_dtype_split(r.get('param_dtypes'))} | "
+                    f"{'none' if not disk else human_bytes(disk['written'] + disk['read'])} |"
+                )
         lines += [
             "",
+            "- against: the run that differs from this one only by what it changes (same stage, "
+            "dtype and offload; `runs.py` names each run's baselines): nvmeswap against ZeRO 3 with "
+            "the optimizer state in RAM (and DeepSpeed's NVMe offload where it ran), loco against "
+            "DeepSpeed's bf16 reduction, mixedlayers against the same 16-bit model, autocastzero "
+            "against fp32 without autocast. Baselines themselves are compared with the first run.",
+            *report_state.left_out_lines(meta),
+            *report_state.memory_lines(),
+            *report_state.noise_lines(results, meta.get("cpu_count")),
             "- gradient error vs fp64: after training, one more optimizer step's micro-steps (not "
             "taken): the averaged gradient the optimizer holds (`deepspeed.utils.safe_get_full_grad`) "
             "against the very gradients autograd produced for those micro-steps on every rank, summed "
@@ -269,10 +285,18 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
         "",
         "| run | ZeRO stage | dtype | offload | final train loss | final val loss "
         "| step time (ms) | tokens/s | handed to the gradient collectives /step "
-        f"| sent on the wire /step | wire vs {ref_name or 'first run'} | peak memory | run wall time (s) |",
+        f"| sent on the wire /step | wire vs {ref_name or 'first run'} | peak RSS (noisy) | run wall time (s) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     skipped: list[str] = []
+    load = report_state.load_range(results)
+    if load:
+        lines.insert(
+            len(lines) - 3,
+            f"Machine load while the runs trained (1-minute load average): {load[0]:.1f} to {load[1]:.1f}"
+            + (f" on {meta['cpu_count']} cores" if meta.get("cpu_count") else "")
+            + ": step times are single samples under that load.  ",
+        )
     for r in results:
         if r.get("status") != "ok":
             lines.append(f"| {r['name']} | | | | {r.get('status')}: {r.get('reason', '')} | | | | | | | | |")
@@ -308,7 +332,9 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
         "of its input per rank, a reduce-scatter (W-1)/W). The ratio compares each run with the "
         "first one.",
         "- run wall time: from building the run's engine to its last evaluation (rank 0).",
-        f"- peak memory: {meta.get('memory_kind', '')}, the largest over ranks"
+        "- peak RSS: noisy at this model size (allocator, libraries, threads: tens of MiB from "
+        "one launch to the next); what the plugins change is in the model state column below. "
+        f"Measured as: {meta.get('memory_kind', '')}, the largest over ranks"
         + (
             "; each run trained in its own processes (one launch per run)."
             if meta.get("one_process_per_run")
@@ -316,10 +342,11 @@ def markdown(results: list[Result], meta: dict[str, Any]) -> str:
         ),
     ]
     if skipped:
-        lines += ["", "Skipped or failed runs:", *skipped]
+        lines += ["", "Skipped, failed or not reached runs:", *skipped]
     lines += plugin_section(results, meta)
     lines += link_section(results, meta)
     lines += ["", "![loss](loss.png)", "", "![communication bytes](comm_bytes.png)", ""]
+    lines += ["![model state per rank](memory.png)", ""]
     return "\n".join(lines)
 
 
@@ -431,7 +458,7 @@ def plot_comm(results: list[Result], path: Path) -> None:
         return
     rows = sum(len(h) + len(w or {}) for h, w in per_run.values())
     fig, (ax, bx) = plt.subplots(
-        1, 2, figsize=(13, max(4.8, 1.6 + 0.3 * rows)), dpi=110, gridspec_kw={"width_ratios": [1, 1.5]}
+        1, 2, figsize=(13, max(4.8, 1.6 + 0.3 * rows)), dpi=110, gridspec_kw={"width_ratios": [1.4, 1.3]}
     )
     mib = 2**20
     ref_name, ratios = wire_ratios(results)
@@ -440,17 +467,17 @@ def plot_comm(results: list[Result], path: Path) -> None:
         color = colors[name]
         h = sum(handed.values()) / mib
         ax.bar(x - 0.2, h, width=0.38, color="white", edgecolor=color, hatch="///", linewidth=1.5)
-        ax.annotate(f"{h:.2f}", (x - 0.2, h), ha="center", va="bottom", fontsize=8)
+        ax.annotate(f"{h:.2f}", (x - 0.2, h / 2), ha="center", va="center", fontsize=7, rotation=90)
         top = max(top, h)
         if wire is not None:
             w = sum(wire.values()) / mib
             ax.bar(x + 0.2, w, width=0.38, color=color, edgecolor=color, linewidth=1.5)
             ratio = ratios.get(name)
             note = f"{w:.2f}" + (f"\n{ratio:.2f}x" if ratio is not None and name != ref_name else "")
-            ax.annotate(note, (x + 0.2, w), ha="center", va="bottom", fontsize=8)
+            ax.annotate(note, (x + 0.2, w), ha="center", va="bottom", fontsize=7)
             top = max(top, w)
     ax.set_ylim(0, top * 1.45 or 1.0)  # room for the labels under the legend
-    ax.set_xticks(range(len(per_run)), list(per_run))
+    ax.set_xticks(range(len(per_run)), list(per_run), rotation=35, ha="right", fontsize=8)
     ax.set_xlim(-0.6, len(per_run) - 0.4)
     ax.set_ylabel("MiB per optimizer step (sum over ranks)")
     ax.set_title("Gradient collectives: handed over vs on the wire", fontsize=10)
@@ -506,6 +533,7 @@ def write_report(out: str | os.PathLike[str], results: list[Result], meta: dict[
         json.dump({"meta": meta, "runs": results}, f, indent=1)
     plot_loss(results, folder / "loss.png")
     plot_comm(results, folder / "comm_bytes.png")
+    report_state.plot_memory(results, folder / "memory.png", run_colors(results))
     (folder / "report.md").write_text(markdown(results, meta))
     return folder
 

@@ -28,6 +28,7 @@ import importlib.metadata
 import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 ConfigEdit = Callable[[dict[str, Any]], None]
@@ -49,16 +50,43 @@ class Where:
 
 
 Need = Callable[[Where], "str | None"]
+Against = Callable[[str, int], "tuple[str, ...]"]
+"""A run's like-for-like baselines for the model dtype ('bf16', 'fp16' or 'fp32') and the
+command line's ZeRO stage: registered runs that differ from it only by what it changes."""
+
+
+def _against(*names: str) -> Against:
+    return lambda dtype, stage: names
+
+
+def _vs_baseline(dtype: str, stage: int) -> tuple[str, ...]:
+    """The command-line configuration without the run's plugin."""
+    return ("baseline",)
 
 
 @dataclass(frozen=True)
 class Run:
+    """One configuration of the comparison."""
+
     name: str
+    """As given to --runs (``a+b`` for a combination)."""
     edit: ConfigEdit
-    plugins: tuple[str, ...] = ()  # zerohooks plugin sections this run turns on
-    requires: tuple[str, ...] = ()  # other modules it needs
+    """Edits the DeepSpeed config dict in place."""
+    plugins: tuple[str, ...] = ()
+    """zerohooks plugin sections this run turns on."""
+    requires: tuple[str, ...] = ()
+    """Other modules it needs."""
     help: str = ""
-    needs: tuple[Need, ...] = ()  # checks of the setting: each says why the run cannot run there, or None
+    """What the run shows, in words."""
+    needs: tuple[Need, ...] = ()
+    """Checks of the setting: each says why the run cannot run there, or None."""
+    against: Against = _vs_baseline
+    """Its like-for-like baselines (:data:`Against`); none for a baseline itself."""
+
+    def baselines(self, dtype: str, stage: int) -> tuple[str, ...]:
+        """The registered runs this one is compared with, for the model dtype and ``--stage``:
+        the same stage, dtype and offload, differing only by the plugin (or DeepSpeed feature)."""
+        return tuple(self.against(dtype, stage))
 
     def skip_reason(self, where: Where | None = None) -> str | None:
         """Why this run cannot run here (a plugin or module not installed; with ``where``, a
@@ -132,11 +160,13 @@ def add_run(
     requires: tuple[str, ...] = (),
     help: str = "",
     needs: tuple[Need, ...] = (),
+    against: Against | tuple[str, ...] = ("baseline",),
 ) -> Run:
     """Register a run; ``edit`` is a config-editing function or a dict of plugin sections;
     ``needs``: checks of the setting (``Where``), each returning why the run cannot run there."""
     if "+" in name or "," in name or not name:
         raise ValueError(f"invalid run name {name!r}: no '+' or ',' allowed")
+    vs = _against(*against) if isinstance(against, tuple) else against
     if isinstance(edit, Mapping):
         sections = copy.deepcopy(dict(edit))
         help = help or "plugin sections " + ", ".join(f"{k}={v}" for k, v in sections.items())
@@ -144,9 +174,9 @@ def add_run(
         def edit_fn(cfg: dict[str, Any]) -> None:
             merge(cfg, sections)
 
-        run = Run(name, edit_fn, tuple(sections), tuple(requires or ()), help, tuple(needs))
+        run = Run(name, edit_fn, tuple(sections), tuple(requires or ()), help, tuple(needs), vs)
     else:
-        run = Run(name, edit, tuple(plugins), tuple(requires or ()), help, tuple(needs))
+        run = Run(name, edit, tuple(plugins), tuple(requires or ()), help, tuple(needs), vs)
     RUNS[name] = run
     return run
 
@@ -186,6 +216,7 @@ def resolve(spec: str, plugins: tuple[str, ...] = ()) -> Run:
         tuple(dict.fromkeys(m for r in runs for m in r.requires)),
         "; ".join(r.help for r in runs if r.help),
         tuple(dict.fromkeys(n for r in runs for n in r.needs)),
+        runs[-1].against if len(runs) == 1 else _vs_baseline,
     )
 
 
@@ -258,9 +289,44 @@ def _stage(stage: int) -> ConfigEdit:
 
 
 # --- built-in runs -------------------------------------------------------------------------
-add_run("baseline", lambda cfg: None, help="the command-line configuration, no plugin")
+add_run("baseline", lambda cfg: None, help="the command-line configuration, no plugin", against=())
 for _s in range(4):
-    add_run(f"zero{_s}", _stage(_s), help=f"ZeRO stage {_s} (overrides --stage)")
+    add_run(f"zero{_s}", _stage(_s), help=f"ZeRO stage {_s} (overrides --stage)", against=())
+
+
+def _fp32(cfg: dict[str, Any]) -> None:
+    """The whole model in fp32: DeepSpeed's 16-bit modes off (autocastzero's baseline)."""
+    for key in ("bf16", "fp16"):
+        if isinstance(cfg.get(key), dict):
+            cfg[key]["enabled"] = False
+
+
+add_run("fp32", _fp32, help="the whole model in fp32, no autocast: autocastzero's baseline", against=())
+
+
+def _sixteen(dtype: str) -> bool:
+    return dtype in ("bf16", "fp16")
+
+
+def _vs_bf16_reduction(dtype: str, stage: int) -> tuple[str, ...]:
+    """loco against DeepSpeed's bf16 reduction: the baseline in a bf16 model, else bf16comm."""
+    return ("baseline",) if dtype == "bf16" else ("bf16comm",)
+
+
+def _vs_uniform16(dtype: str, stage: int) -> tuple[str, ...]:
+    """mixedlayers against the same 16-bit model without it."""
+    return ("baseline",) if _sixteen(dtype) else ("bf16",)
+
+
+def _vs_fp32(dtype: str, stage: int) -> tuple[str, ...]:
+    """autocast runs against fp32 parameters without autocast."""
+    return ("baseline",) if dtype == "fp32" else ("fp32",)
+
+
+def _vs_zero3(dtype: str, stage: int) -> tuple[str, ...]:
+    """Optimizer state on disk against ZeRO 3 with it in RAM, then DeepSpeed's NVMe offload."""
+    return ("baseline" if stage == 3 else "zero3", "ds-nvme")
+
 
 # --- plugin runs: one line per package -----------------------------------------------------
 add_run(
@@ -278,9 +344,13 @@ add_run(
     "loco",
     {"loco": {"bits": 4, "err_beta": 0.8, "reset_T": 1024}},
     help="LoCo: 4-bit gradients with error feedback",
+    against=_vs_bf16_reduction,
 )
 add_run(
-    "loco-noef", {"loco": {"error_feedback": False}}, help="4-bit gradients without error feedback (ablation)"
+    "loco-noef",
+    {"loco": {"error_feedback": False}},
+    help="4-bit gradients without error feedback (ablation)",
+    against=_vs_bf16_reduction,
 )
 add_run(
     "bf16comm",
@@ -307,6 +377,7 @@ add_run(
     _mixedlayers,
     plugins=("mixedlayers",),
     help="LayerNorms and the head in fp32 inside the bf16 (or --dtype fp16) model",
+    against=_vs_uniform16,
 )
 add_run("bf16", _uniform16, help="the whole model in bf16 (or --dtype fp16): mixedlayers' baseline")
 
@@ -339,25 +410,30 @@ add_run(
     "nvmeswap",
     _nvme("nvmeswap", True),
     plugins=("nvmeswap",),
-    help="ZeRO 3, optimizer state on disk through nvmeswap (12 B/param/step, no gradient I/O, no libaio)",
+    help="ZeRO 3, optimizer state on disk through nvmeswap (12 B/param/step each way, no gradient I/O, "
+    "no libaio)",
+    against=_vs_zero3,
 )
 add_run(
     "nvmeswap-ram",
     _nvme("nvmeswap-ram", True, keep_master_in_ram=True),
     plugins=("nvmeswap",),
-    help="nvmeswap keeping fp32 masters in RAM: only the Adam moments on disk (8 B/param/step)",
+    help="nvmeswap keeping fp32 masters in RAM: only the Adam moments on disk (8 B/param/step each way)",
+    against=_vs_zero3,
 )
 add_run(
     "ds-nvme",
     _nvme("ds-nvme", False),
-    help="DeepSpeed's own NVMe optimizer offload (libaio; 16 B/param/step), nvmeswap's baseline",
+    help="DeepSpeed's own NVMe optimizer offload (libaio; 16 B/param/step each way), nvmeswap's baseline",
     needs=(_needs_libaio,),
+    against=lambda dtype, stage: ("baseline" if stage == 3 else "zero3",),
 )
 add_run(
     "loco-2level",
     {"loco": {"hierarchy": "two_level", "node_size": 2}},
     help="LoCo two-level, 2-rank nodes (--nodes 2, or --nproc 4)",
     needs=(_two_nodes(2),),
+    against=_vs_bf16_reduction,
 )
 
 
@@ -381,27 +457,63 @@ add_run(
     _autocast({"dtype": "bfloat16"}),
     plugins=("autocastzero",),
     help="fp32 parameters, bf16 autocast forward, Linear gradients (and ZeRO-3 gathers) in bf16",
+    against=_vs_fp32,
 )
 add_run(
     "autocastzero-fp16",
     _autocast({"dtype": "float16", "initial_scale_power": 12}),
     plugins=("autocastzero",),
     help="fp32 parameters, fp16 autocast forward with dynamic loss scaling (ZeRO 0-3)",
+    against=_vs_fp32,
 )
 add_run(
     "ds-autocast",
     _autocast(None, deepspeed_own=True),
     help="DeepSpeed's own torch_autocast (bf16; ZeRO 1-3), autocastzero's baseline",
     needs=(_not_zero0("DeepSpeed's torch_autocast"),),
+    against=_vs_fp32,
 )
 
 
 DEFAULT_RUNS = ("baseline", "loco", "accumdtype", "mixedlayers", "autocastzero", "nvmeswap")
-"""``--runs`` left out: the baseline and one run per plugin, each showing what its plugin changes
-(bytes on the wire, accumulation dtype, parameters kept in fp32, optimizer state on disk); runs
-whose plugin is not installed are left out of the default (``--runs all`` reports them as skipped)."""
+"""``--runs`` left out: one run per plugin, each showing what its plugin changes (bytes on the
+wire, accumulation dtype, parameters kept in fp32, optimizer state on disk), each after its
+like-for-like baselines (:meth:`Run.baselines`); runs whose plugin is not installed are left out
+of the default (``--runs all`` reports them as skipped)."""
 
 
-def default_runs() -> list[str]:
-    """:data:`DEFAULT_RUNS` that can run here (installed), the baseline always."""
-    return [n for n in DEFAULT_RUNS if n == "baseline" or RUNS[n].skip_reason() is None]
+def _async_io_built() -> bool:
+    """Whether DeepSpeed's async_io op (ds-nvme's) is already built in this build folder (its
+    first build takes minutes on a 2-core machine: too long for the default demo)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return any(Path(_get_build_directory("async_io", False)).glob("async_io*.so"))
+    except Exception:
+        return False
+
+
+def left_out_baseline(name: str) -> str | None:
+    """Why the default demo leaves out the baseline ``name`` here, else None."""
+    reason = RUNS[name].skip_reason()
+    if reason is None and name == "ds-nvme" and not _async_io_built():
+        reason = (
+            "DeepSpeed's async_io op is not built yet (a one-time build of minutes); "
+            "--runs zero3,nvmeswap,ds-nvme builds it and compares"
+        )
+    return reason
+
+
+def default_runs(dtype: str = "bf16", stage: int = 2) -> list[str]:
+    """:data:`DEFAULT_RUNS` that can run here (installed), each after its like-for-like baselines
+    for the model ``dtype`` and ``--stage`` (those that can run here, see :func:`left_out_baseline`)."""
+    out: list[str] = []
+    for name in DEFAULT_RUNS:
+        if name != "baseline" and RUNS[name].skip_reason() is not None:
+            continue
+        for base in RUNS[name].baselines(dtype, stage):
+            if base not in out and left_out_baseline(base) is None:
+                out.append(base)
+        if name not in out:
+            out.append(name)
+    return out

@@ -22,11 +22,8 @@ import argparse
 import contextlib
 import gc
 import json
-import logging
 import os
 import platform
-import resource
-import shutil
 import sys
 import time
 import traceback
@@ -37,8 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import measure
 import nodes as emulated  # sibling modules of this script
+import outdir
 import runs as run_registry
 from launch import command_line, launch, registered_runs, where
+from rank_utils import Progress, peak_memory, quiet_deepspeed, release, reset_peak_memory, skip_shm_build
 
 WARMUP_STEPS = 3
 T_IMPORT = time.time()
@@ -78,7 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--runs",
         default=None,
         help="comma-separated runs to compare, each a registered name or a+b; 'all' for every "
-        f"registered run (default: {','.join(run_registry.DEFAULT_RUNS)}, those installed)",
+        f"registered run (default: {','.join(run_registry.DEFAULT_RUNS)}, those installed, each "
+        "after its like-for-like baselines: zero3 for nvmeswap, fp32 for autocastzero ...)",
     )
     g.add_argument(
         "--same-process",
@@ -111,7 +111,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--d-model", type=int, default=128, help="model width")
     g.add_argument("--heads", type=int, default=4, help="attention heads (must divide --d-model)")
     g = p.add_argument_group("output")
-    g.add_argument("--out", default="reports/demo", help="report folder (written by rank 0)")
+    g.add_argument(
+        "--out",
+        default=None,
+        help="report folder (written by rank 0); refused when it holds an earlier command's report, "
+        "unless --force (default: a new folder reports/<UTC time>-<runs> per command, "
+        "reports/latest linking to the newest)",
+    )
+    g.add_argument("--force", action="store_true", help="overwrite the report already in --out")
     emulated.add_arguments(p)
     args = p.parse_args(argv)
 
@@ -129,7 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     emulated.check_args(args, p.error)
     args.plugin_list = tuple(x for x in args.plugins.split(",") if x)
     if args.runs is None:
-        args.run_list = run_registry.default_runs()
+        args.run_list = run_registry.default_runs(expected_dtype(args), args.stage)
     elif args.runs.strip() == "all":
         args.run_list = list(run_registry.RUNS)
     else:
@@ -146,6 +153,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def expected_dtype(args: argparse.Namespace) -> str:
+    """The model dtype the ranks will train in (``--dtype auto`` resolved on this machine, as
+    ``resolve_dtype`` does in the ranks): it decides the default runs' baselines."""
+    if args.dtype != "auto":
+        return str(args.dtype)
+    import torch
+
+    cuda = torch.cuda.is_available() and args.nodes == 1
+    if not cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # zerohooks imports deepspeed
+    return "bf16" if fast_bf16(cuda) else "fp32"
+
+
+def baselines_left_out(args: argparse.Namespace) -> dict[str, str]:
+    """The like-for-like baselines of the requested runs that this command does not train, and why."""
+    runs = [run_registry.resolve(s, args.plugin_list) for s in args.run_list]
+    names = {r.name for r in runs}
+    out: dict[str, str] = {}
+    for run in runs:
+        for base in run.baselines(args.dtype, args.stage):
+            if base not in names and base not in out:
+                why = run_registry.left_out_baseline(base) if base in run_registry.RUNS else None
+                out[base] = f"{run.name}'s baseline, " + (why or "not in --runs")
+    return out
+
+
 def list_runs(args: argparse.Namespace) -> None:
     import torch
 
@@ -153,7 +186,7 @@ def list_runs(args: argparse.Namespace) -> None:
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # zerohooks imports deepspeed
     world = args.nproc or (torch.cuda.device_count() if cuda else 2)
-    default = run_registry.default_runs()
+    default = run_registry.default_runs(expected_dtype(args), args.stage)
     print(f"Registered runs (examples/runs.py; * the default; [why not] with {world} rank(s) here):")
     for name, run in run_registry.RUNS.items():
         reason = run.skip_reason(where(args, world, cuda))
@@ -240,33 +273,6 @@ def param_groups(model: Any) -> list[dict[str, Any]]:
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def reset_peak_memory(cuda: bool, own_process: bool = False) -> str:
-    """Start counting a run's peak memory; what is counted, in words.  ``own_process``: the
-    process trains this run only, so its peak since start-up is the run's own."""
-    import torch
-
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-        return "torch.cuda.max_memory_allocated" + (", one process per run" if own_process else "")
-    if own_process:
-        return "peak RSS of the rank process, which trained this run only (getrusage ru_maxrss)"
-    try:  # Linux: resets the process's peak RSS, so each run gets its own figure
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return "peak RSS of the rank process (getrusage ru_maxrss, reset per run)"
-    except OSError:
-        return "peak RSS of the rank process since start (getrusage ru_maxrss)"
-
-
-def peak_memory(cuda: bool) -> int:
-    import torch
-
-    if cuda:
-        return int(torch.cuda.max_memory_allocated())
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
-
-
 def train_one(
     run: run_registry.Run, args: argparse.Namespace, ctx: dict[str, Any], corpus: Any
 ) -> dict[str, Any]:
@@ -333,10 +339,14 @@ def train_one(
     link = emulated.LinkMeter(args.nodes > 1)
     link.start()
     swap0 = measure.swap_bytes(engine)
+    state_step = min(2, args.steps)
+    state_bytes: dict[str, int] = {}
+    load = [os.getloadavg()[0]] if hasattr(os, "getloadavg") else []
+    progress = Progress(run.name, args.steps, rank == 0 and not sys.stdout.isatty())
     bar = tqdm(
         total=args.steps,
         desc=f"{run.name}",
-        disable=rank != 0,
+        disable=rank != 0 or not sys.stdout.isatty(),  # else Progress prints lines
         dynamic_ncols=True,
         file=sys.stdout,
         mininterval=0.5,
@@ -345,15 +355,23 @@ def train_one(
         sync()
         t0 = time.perf_counter()
         step_loss = torch.zeros((), device=device)
-        for _ in range(args.grad_accum):
+        paused = 0.0
+        for micro in range(args.grad_accum):
             x, y = train.next()
             loss = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
             engine.backward(loss)
+            if step == state_step and micro == args.grad_accum - 1:
+                # the model state with every kind alive: gradients held, optimizer state made by
+                # the first step (the count is not part of the step time)
+                t_pause = time.perf_counter()
+                state_bytes = measure.model_state_bytes(engine)
+                paused = time.perf_counter() - t_pause
             engine.step()
             step_loss += loss.detach().float()
         loss_value = step_loss.item() / args.grad_accum
         sync()
-        dt = time.perf_counter() - t0
+        dt = time.perf_counter() - t0 - paused
+        progress.update(step)
         losses.append(loss_value)
         times.append(dt)
         comm.append(measure.step_comm_bytes(engine))
@@ -366,6 +384,7 @@ def train_one(
             if rank == 0:
                 bar.write(f"[{run.name}] step {step}: train loss {loss_value:.4f}, val loss {v:.4f}")
     bar.close()
+    load += [os.getloadavg()[0]] if hasattr(os, "getloadavg") else []
     crossed = link.stop()
     swap1 = measure.swap_bytes(engine)
     swapped = None if swap0 is None or swap1 is None else [b - a for a, b in zip(swap0, swap1, strict=True)]
@@ -384,6 +403,7 @@ def train_one(
         "peak": peak,
         "link": crossed,
         "swap": swapped,
+        "state_bytes": state_bytes,
     }
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
@@ -391,10 +411,17 @@ def train_one(
     offload = (zero_cfg.get("offload_optimizer") or {}).get("device")
     dtype = "bf16" if config.get("bf16", {}).get("enabled") else "fp32"
     dtype = "fp16" if config.get("fp16", {}).get("enabled") else dtype
+    autocast = (config.get("autocastzero") or {}).get("dtype") or (
+        "bfloat16" if (config.get("torch_autocast") or {}).get("enabled") else None
+    )
+    if autocast:  # fp32 parameters, the forward in a 16-bit dtype
+        dtype = f"{'fp16' if autocast in ('float16', 'fp16') else 'bf16'}-autocast"
     result: dict[str, Any] = {
         "name": run.name,
         "status": "ok",
         "help": run.help,
+        # the registered runs that differ from this one only by what it changes (runs.py)
+        "baselines": list(run.baselines(args.dtype, args.stage)),
         "zero_stage": zero_cfg.get("stage", 0),
         "dtype": dtype,
         "offload": offload if offload and offload != "none" else None,
@@ -405,6 +432,11 @@ def train_one(
         "step_time_s": [max(g["time"][i] for g in gathered) for i in range(args.steps)],
         "val_loss": val,
         "peak_memory_bytes": max(g["peak"] for g in gathered),
+        # per rank, bytes of model state by kind (measure.model_state_bytes) at step state_step
+        "state_bytes": [g["state_bytes"] for g in gathered],
+        "state_step": state_step,
+        # the 1-minute load average when the steps started and ended (rank 0), os.getloadavg
+        "load_avg": load,
         "memory_kind": memory_kind,
         "per_rank": gathered,
         # per step, summed over ranks: bytes handed to the gradient collectives (what DeepSpeed
@@ -432,61 +464,6 @@ def train_one(
     del engine, model
     gc.collect()
     return result
-
-
-def release(engine: Any, config: dict[str, Any], rank: int) -> None:
-    """Let the run's engine go, so the next run in this process shares nothing with it:
-    ``engine.destroy()`` (DeepSpeed's hooks and buffers; zerohooks detaches first: the plugins
-    release their swap files and the folder's lock, buffers and threads, and every patch goes),
-    ``zerohooks.detach`` where the engine has no ``destroy``; then the run's swap folder goes."""
-    import torch.distributed as dist
-
-    destroy = getattr(engine, "destroy", None)
-    if callable(destroy):
-        destroy()
-    try:
-        import zerohooks
-
-        if zerohooks.attachment(engine) is not None:
-            zerohooks.detach(engine)
-    except ImportError:
-        pass
-    folder = ((config.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("nvme_path")
-    if folder:
-        dist.barrier()  # every rank has closed its swap files
-        if rank == 0:
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-class _DropMessages(logging.Filter):
-    def __init__(self, *fragments: str) -> None:
-        super().__init__()
-        self.fragments = fragments
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        return not any(f in msg for f in self.fragments)
-
-
-def quiet_deepspeed() -> None:
-    """Keep DeepSpeed's warnings, drop its info chatter and two known-harmless messages."""
-    import warnings
-
-    from deepspeed.utils import logger as ds_logger
-
-    ds_logger.setLevel(logging.WARNING)
-    ds_logger.addFilter(_DropMessages("get learning rate from scheduler before it has started"))
-    warnings.filterwarnings(  # DeepSpeed's calls of torch's renamed collectives
-        "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
-    )
-
-
-def skip_shm_build() -> None:
-    """Do not JIT-build DeepSpeed's shared-memory comm op on CPU (about a minute of C++; only
-    DeepSpeed's inference all-reduce uses it)."""
-    from zerohooks._compat import skip_deepspeed_shm_op
-
-    skip_deepspeed_shm_op()
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -541,6 +518,7 @@ def worker(args: argparse.Namespace) -> int:
             "command": os.environ.get("TRAIN_GPT_COMMAND") or command_line(),
             "launch_t0": float(os.environ.get("TRAIN_GPT_T0", "0")) or T_IMPORT,
             "world_size": world,
+            "cpu_count": os.cpu_count(),
             "backend": backend,
             "device": torch.cuda.get_device_name(0)
             if cuda
@@ -585,6 +563,7 @@ def worker(args: argparse.Namespace) -> int:
         meta["registered_runs"] = registered_runs()
         meta["runs_requested"] = [run_registry.resolve(s, args.plugin_list).name for s in args.run_list]
         meta["one_process_per_run"] = not args.same_process and state is not None
+        meta["baselines_left_out"] = baselines_left_out(args)
         here = where(args, world, cuda)
         for spec in specs:
             run = run_registry.resolve(spec, args.plugin_list)
@@ -630,7 +609,18 @@ def main(argv: list[str] | None = None) -> int:
         list_runs(args)
         return 0
     if "RANK" not in os.environ:
-        return launch(args, argv, Path(__file__).resolve(), T_IMPORT)
+        try:
+            folder = outdir.choose(args.out, args.force, outdir.run_set_tag(args.runs, args.nodes))
+        except outdir.OutExists as e:
+            print(f"train_gpt: error: {e}", file=sys.stderr)
+            return 2
+        folder.mkdir(parents=True, exist_ok=True)
+        outdir.point_latest(folder)
+        args.out = str(folder)
+        print(f"train_gpt: report folder {folder}", flush=True)
+        return launch(args, [*argv, "--out", str(folder), "--force"], Path(__file__).resolve(), T_IMPORT)
+    if args.out is None:  # started by torchrun itself: rank 0 names the folder, the others write nothing
+        args.out = str(outdir.new_folder(outdir.run_set_tag(args.runs, args.nodes)))
     try:
         return worker(args)
     except KeyboardInterrupt:

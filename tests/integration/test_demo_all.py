@@ -79,3 +79,12 @@ def test_default_demo_compares_the_plugins_one_process_per_run(tmp_path: Path) -
         assert by_name["accumdtype"]["comm_dtypes"] == ["float32"]
         assert by_name["baseline"]["comm_dtypes"] == ["bfloat16"]
     assert "`--runs all` adds" in report
+    # like against like: nvmeswap's row is against ZeRO 3 with the optimizer in RAM, trained before it
+    if "nvmeswap" in by_name:
+        assert names.index("zero3") < names.index("nvmeswap"), names
+        row = next(ln for ln in plugin_rows if ln.startswith("| nvmeswap |"))
+        assert row.split(" | ")[1] == "zero3", row
+        state = by_name["nvmeswap"]["state_bytes"][0]
+        assert state["swap buffers"] > 0 and "master parameters" not in state, state
+    if "autocastzero" in by_name:
+        assert by_name["autocastzero"]["dtype"] == "bf16-autocast"

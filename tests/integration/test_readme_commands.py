@@ -157,6 +157,9 @@ def check(words: list[str]) -> None:
         raise _Refused("sudo: the README's commands run as the user (run.sh says what needs root)")
     if head == "bash" and rest[:1] == ["run.sh"]:
         sub, args = rest[1], rest[2:]
+        if sub == "--help":  # run.sh's own usage, checked before anything is installed
+            assert not args and "-h | --help | help)" in (ROOT / "run.sh").read_text()
+            return
         assert sub in runsh_subcommands(), f"run.sh has no {sub!r} (it has {sorted(runsh_subcommands())})"
         if sub == "demo":
             check_demo(args)
