@@ -47,6 +47,7 @@ _NOT_DEEPSPEEDS = {
     "makedirs": "os.makedirs",
     "compile": "re.compile",
     "partition": "str.partition",
+    "param_groups": "torch.optim.Optimizer.param_groups (the ZeRO optimizer's inner optimizer, adapter/statestore.py)",
 }
 """The curated exceptions: each is a name DeepSpeed defines that the adapter uses on something
 else (the reason says on what).  A DeepSpeed name the adapter starts to use must be declared by
@@ -264,10 +265,8 @@ def _plugin_files() -> list[pathlib.Path]:
 
 _NOT_YET = frozenset(
     {
-        "nvmeswap/checkpoint.py",
         "nvmeswap/deferred.py",
         "nvmeswap/plugin.py",
-        "nvmeswap/swapper.py",
     }
 )
 """Plugin files still touching DeepSpeed themselves: nvmeswap's optimizer-state store, until the

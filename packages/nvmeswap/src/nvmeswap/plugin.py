@@ -28,11 +28,10 @@ import zerohooks
 from nvmeswap import adam, checkpoint, deferred, fused, io, swapper
 from nvmeswap.config import NvmeSwapConfig, rewrite_offload
 from nvmeswap.folder import FolderClaim, prepare
-from nvmeswap.seam import SEAM
 from nvmeswap.swapfile import SwapCorruptionError
 from nvmeswap.swapper import SwapState
-from zerohooks import ConfigError, PluginConfig, SetupContext, StepContext, ZeroPlugin, surface
-from zerohooks.adapter import seams
+from zerohooks import ConfigError, PluginConfig, SetupContext, StepContext, ZeroPlugin
+from zerohooks.adapter import seams, statestore
 from zerohooks.registry import HookRegistry
 
 __all__ = ["NvmeSwapPlugin"]
@@ -45,8 +44,8 @@ class NvmeSwapPlugin(ZeroPlugin):
     """ZeRO-3 optimizer state on NVMe without gradient I/O, on nvmeswap's own I/O engine."""
 
     name = "nvmeswap"
-    deepspeed_seams = (SEAM,)
-    """The seams this plugin uses: its own (:mod:`nvmeswap.seam`)."""
+    deepspeed_seams = (statestore.SEAM,)
+    """The seams this plugin uses: the adapter's optimizer-state store (:mod:`zerohooks.adapter.statestore`)."""
     distribution = "zerohooks-nvmeswap"
     Config = NvmeSwapConfig
     cfg: NvmeSwapConfig
@@ -84,13 +83,13 @@ class NvmeSwapPlugin(ZeroPlugin):
         att = zerohooks.attachment(engine)
         assert att is not None and self.base_folder is not None
         opt = engine.optimizer
-        surface.check_object(opt, surface.ZERO3, 3, SEAM)
+        statestore.check(opt)
         cfg = self.cfg
         fuse = _fused_choice(cfg, opt)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         folder = os.path.join(self.base_folder, "nvmeswap", f"rank{rank:05d}")
-        numels = opt.fp16_partitioned_groups_flat_numel
-        chosen = [i for i in range(len(numels)) if int(numels[i]) >= max(cfg.min_swap_numel, 1)]
+        numels = statestore.sub_group_numels(opt)
+        chosen = [i for i in range(len(numels)) if numels[i] >= max(cfg.min_swap_numel, 1)]
         native = cfg.io_engine != "python"
         if native:
             mod = io.load_native_distributed()
