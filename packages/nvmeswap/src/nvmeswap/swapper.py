@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from nvmeswap import deferred, io
+from nvmeswap import io
 from nvmeswap.swapfile import (
     HEADER,
     SwapCorruptionError,
@@ -376,7 +376,7 @@ def initialise(state: SwapState) -> None:
         statestore.set_master_grad(
             g.master, None
         )  # DeepSpeed's per-sub-group fp32 gradient buffer: not needed
-        master = deferred.materialise(state.optimizer, i)  # not made while DeepSpeed built the engine
+        master = statestore.materialise(state.optimizer, i)  # not made while DeepSpeed built the engine
         if master is not None:
             statestore.set_master(g.master, master)
         swap_out(state, i)

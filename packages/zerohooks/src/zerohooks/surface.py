@@ -333,7 +333,7 @@ SEAMS: dict[str, tuple[Internal, ...]] = {
             ZERO3,
             (3,),
             optional_patch="_create_momentum_buffer initialize_optimizer_states",
-            optional="fp16_partitioned_groups_flat subgroup_to_device offload_optimizer_pin_memory use_muon",
+            optional="fp16_partitioned_groups_flat subgroup_to_device offload_optimizer offload_optimizer_pin_memory use_muon",
         ),
         *_entries("optimizer_state_store", PARAM, (3,), read="ds_id"),
     ),
