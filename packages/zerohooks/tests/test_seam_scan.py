@@ -47,6 +47,7 @@ _NOT_DEEPSPEEDS = {
     "makedirs": "os.makedirs",
     "compile": "re.compile",
     "partition": "str.partition",
+    "param_groups": "torch.optim.Optimizer.param_groups (the ZeRO optimizer's inner optimizer, adapter/statestore.py)",
 }
 """The curated exceptions: each is a name DeepSpeed defines that the adapter uses on something
 else (the reason says on what).  A DeepSpeed name the adapter starts to use must be declared by
@@ -166,9 +167,18 @@ _HOLDERS = frozenset({"engine", "opt", "optimizer", "zero_optimizer"})
 """Names (variables or attributes) that hold a DeepSpeed engine or optimizer in plugin code."""
 _PARAM_PARTS = frozenset({"ds_tensor", "master"})
 """Attributes that hold DeepSpeed's parameter partitions or fp32 masters."""
-_PUBLIC = frozenset({"optimizer", "communication_data_type", "gradient_predivide_factor", "reduce_scatter"})
+_PUBLIC = frozenset(
+    {
+        "optimizer",
+        "communication_data_type",
+        "gradient_predivide_factor",
+        "reduce_scatter",
+        "offload_optimizer",
+    }
+)
 """ZeRO optimizer names that are also public API of the engine (``engine.optimizer``), fields of
-zerohooks' own config views, or torch.distributed functions."""
+zerohooks' own config views (``ctx.offload_optimizer``: DeepSpeed's config section), or
+torch.distributed functions."""
 
 
 def _chain(node: ast.AST) -> list[str]:
@@ -262,29 +272,15 @@ def _plugin_files() -> list[pathlib.Path]:
     return sorted(f for pkg in _PLUGINS for f in (_PACKAGES / pkg / "src").rglob("*.py"))
 
 
-_NOT_YET = frozenset(
-    {
-        "nvmeswap/checkpoint.py",
-        "nvmeswap/deferred.py",
-        "nvmeswap/plugin.py",
-        "nvmeswap/swapper.py",
-    }
-)
-"""Plugin files still touching DeepSpeed themselves: nvmeswap's optimizer-state store, until the
-adapter offers it as an owner interface (issue #36).  Its names are declared as nvmeswap's own
-seam (``nvmeswap.seam``).  The test fails when a file joins this set or leaves it (then remove it)."""
-
-
 def test_plugins_touch_deepspeed_only_through_the_seams() -> None:
+    """No plugin file is exempt: nvmeswap's optimizer-state store is the adapter's
+    (``zerohooks.adapter.statestore``, issue #36) like every other seam."""
     found = {}
     for f in _plugin_files():
         problems = _plugin_problems(f)
         if problems:
             found[f"{f.parent.name}/{f.name}"] = problems
-    new = {k: v for k, v in found.items() if k not in _NOT_YET}
-    assert new == {}, "plugins must go through zerohooks' seams (zerohooks.adapter), not DeepSpeed itself"
-    cleaned = sorted(_NOT_YET - set(found))
-    assert cleaned == [], f"{cleaned} no longer touch DeepSpeed: remove them from _NOT_YET"
+    assert found == {}, "plugins must go through zerohooks' seams (zerohooks.adapter), not DeepSpeed itself"
 
 
 def test_the_plugin_scan_finds_each_kind(tmp_path: pathlib.Path) -> None:

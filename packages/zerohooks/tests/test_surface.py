@@ -4,7 +4,6 @@ and the seams are declared by the adapter (naming no plugin) or by the plugin th
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import inspect
@@ -60,10 +59,8 @@ def _exists(item: surface.Internal) -> bool:
 
 
 def _declared_by_plugins() -> tuple[surface.Internal, ...]:
-    """Every seam, the plugins' own included (their declarations run when the module is imported)."""
-    for module in ("nvmeswap.seam",):
-        with contextlib.suppress(ImportError):
-            importlib.import_module(module)
+    """Every seam, the plugins' own included (their declarations run when the module is imported;
+    nvmeswap's store is the adapter's seam ``optimizer_state_store`` now)."""
     return surface.surface()
 
 
@@ -95,7 +92,7 @@ def test_every_plugin_declares_known_seams() -> None:
 
     plugins = [AccumDtypePlugin, AutocastZeroPlugin, LocoPlugin, MixedLayersPlugin, NvmeSwapPlugin]
     assert surface.seams_of([AutocastZeroPlugin]) == ["forward", "loss_scaling"]
-    assert "nvmeswap.swap" in surface.seams_of(plugins)
+    assert "optimizer_state_store" in surface.seams_of(plugins)
     needed = {i.user for i in surface.needed(3, surface.seams_of([MixedLayersPlugin]))}
     assert needed == {*surface.CORE_SEAMS, "stage_buckets", "separate_accumulation", "partition_retype"} - {
         "loss_scale_query",  # optional names only

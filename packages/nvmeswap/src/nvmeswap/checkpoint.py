@@ -30,6 +30,7 @@ import torch
 
 from nvmeswap import swapper
 from nvmeswap.swapper import SwapState
+from zerohooks.adapter import statestore
 
 __all__ = ["mapped", "resident", "streamed_load", "streamed_save"]
 
@@ -84,7 +85,7 @@ def _empty_all(state: SwapState) -> None:
     for i in state.order:
         g = state.groups[i]
         if not state.keep_master:
-            g.master.data = swapper.EMPTY
+            statestore.set_master(g.master, swapper.EMPTY)
         for t in swapper.state_tensors(state, g).values():
             t.data = swapper.EMPTY
 
@@ -112,7 +113,7 @@ def streamed_save(state: SwapState, original: Callable[..., Any]) -> Callable[..
                     continue
                 views = mapped(state, g)
                 if "master" in views:
-                    g.master.data = views.pop("master")
+                    statestore.set_master(g.master, views.pop("master"))
                 for key, t in swapper.state_tensors(state, g).items():
                     t.data = views[key]
             return original(*args, **kwargs)
@@ -139,15 +140,17 @@ def streamed_load(state: SwapState, engine: Any, original: Callable[..., Any]) -
     """``original`` (DeepSpeed's ``_load_zero_checkpoint``) with the checkpoint mapped and the
     swapped sub-groups written back to their swap files one at a time."""
     opt = engine.optimizer
-    rigid = opt._rigid_load_state_dict
 
-    def rigid_load(state_dict: Any, load_optimizer_states: bool = True) -> Any:
+    def make_rigid_load(rigid: Callable[..., Any]) -> Callable[..., Any]:
+        return functools.partial(rigid_load, rigid)
+
+    def rigid_load(rigid: Callable[..., Any], state_dict: Any, load_optimizer_states: bool = True) -> Any:
         if not load_optimizer_states:  # the moments stay as they are: everything resident meanwhile
             return resident(state, rigid)(state_dict, load_optimizer_states)
         if not state.keep_master:  # DeepSpeed's copy into the master is then a no-op
             saved = state_dict["fp32_flat_groups"]
             for i in state.order:
-                state.groups[i].master.data = saved[i].data
+                statestore.set_master(state.groups[i].master, saved[i].data)
         try:
             out = rigid(state_dict, load_optimizer_states)
             for i in state.order:  # each sub-group through a swap buffer to its file
@@ -162,10 +165,7 @@ def streamed_load(state: SwapState, engine: Any, original: Callable[..., Any]) -
     @functools.wraps(original)
     def load(*args: Any, **kwargs: Any) -> Any:
         _settle(state, "loaded")
-        opt._rigid_load_state_dict = rigid_load
-        try:
+        with statestore.rigid_load_replaced(opt, make_rigid_load):
             return original(*args, **kwargs)
-        finally:
-            del opt._rigid_load_state_dict
 
     return load

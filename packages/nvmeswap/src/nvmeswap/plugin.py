@@ -4,11 +4,12 @@ Design: DeepSpeed's own NVMe path builds its libaio-based swapper when the engin
 replacing only its I/O calls would still need libaio.  nvmeswap instead tells DeepSpeed to offload
 the optimizer to the CPU (``config.rewrite_offload``) and takes the swapping over: right after
 the engine is built every swapped sub-group's fp32 master goes to its swap file and its RAM is
-freed; in each step the patched ``_prepare_sub_group`` reads the sub-group back (read ahead of
-time) and builds its fp32 gradient from the 16-bit partition, and ``_release_sub_group`` writes it
-out.  The gradient itself is never written: at the boundary the patched
-``_offload_grad_partition_at_boundary`` only records the gradient norm (as DeepSpeed does) and
-where the 16-bit partition lies.
+freed; in each step the sub-group's prepare reads it back (read ahead of time) and builds its fp32
+gradient from the 16-bit partition, and its release writes it out.  The gradient itself is never
+written: at the accumulation boundary only the gradient norm is recorded (as DeepSpeed does) and
+where the 16-bit partition lies.  Every DeepSpeed method taken over is the adapter's
+optimizer-state store's (:mod:`zerohooks.adapter.statestore`), which records it and puts it back
+at detach.
 """
 
 from __future__ import annotations
@@ -18,35 +19,31 @@ import contextlib
 import os
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from typing_extensions import override
 
 import zerohooks
-from nvmeswap import adam, checkpoint, deferred, fused, io, swapper
+from nvmeswap import adam, checkpoint, fused, io, swapper
 from nvmeswap.config import NvmeSwapConfig, rewrite_offload
 from nvmeswap.folder import FolderClaim, prepare
-from nvmeswap.seam import SEAM
 from nvmeswap.swapfile import SwapCorruptionError
 from nvmeswap.swapper import SwapState
-from zerohooks import ConfigError, PluginConfig, SetupContext, StepContext, ZeroPlugin, surface
-from zerohooks.adapter import seams
+from zerohooks import ConfigError, PluginConfig, SetupContext, StepContext, ZeroPlugin
+from zerohooks.adapter import seams, statestore
 from zerohooks.registry import HookRegistry
 
 __all__ = ["NvmeSwapPlugin"]
-
-_OPT = "DeepSpeedZeroOptimizer_Stage3"
-_PARAM_SETTERS = ("set_full_hp_param", "set_local_hp_param")
 
 
 class NvmeSwapPlugin(ZeroPlugin):
     """ZeRO-3 optimizer state on NVMe without gradient I/O, on nvmeswap's own I/O engine."""
 
     name = "nvmeswap"
-    deepspeed_seams = (SEAM,)
-    """The seams this plugin uses: its own (:mod:`nvmeswap.seam`)."""
+    deepspeed_seams = (statestore.SEAM,)
+    """The seams this plugin uses: the adapter's optimizer-state store (:mod:`zerohooks.adapter.statestore`)."""
     distribution = "zerohooks-nvmeswap"
     Config = NvmeSwapConfig
     cfg: NvmeSwapConfig
@@ -66,8 +63,9 @@ class NvmeSwapPlugin(ZeroPlugin):
     @override
     def building(self) -> contextlib.AbstractContextManager[None]:
         # no fp32 master or gradient buffer is made for a swapped sub-group while DeepSpeed builds
-        # the engine (it would need 8 bytes a parameter of RAM at once): see nvmeswap.deferred
-        return deferred.deferred_masters(self.cfg.min_swap_numel, self.cfg.keep_master_in_ram)
+        # the engine (it would need 8 bytes a parameter of RAM at once): see
+        # zerohooks.adapter.statestore.deferred_state
+        return statestore.deferred_state(self.cfg.min_swap_numel, self.cfg.keep_master_in_ram)
 
     @override
     def attach(self, registry: HookRegistry, ctx: SetupContext) -> None:
@@ -84,13 +82,13 @@ class NvmeSwapPlugin(ZeroPlugin):
         att = zerohooks.attachment(engine)
         assert att is not None and self.base_folder is not None
         opt = engine.optimizer
-        surface.check_object(opt, surface.ZERO3, 3, SEAM)
+        statestore.check(opt)
         cfg = self.cfg
         fuse = _fused_choice(cfg, opt)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         folder = os.path.join(self.base_folder, "nvmeswap", f"rank{rank:05d}")
-        numels = opt.fp16_partitioned_groups_flat_numel
-        chosen = [i for i in range(len(numels)) if int(numels[i]) >= max(cfg.min_swap_numel, 1)]
+        numels = statestore.sub_group_numels(opt)
+        chosen = [i for i in range(len(numels)) if numels[i] >= max(cfg.min_swap_numel, 1)]
         native = cfg.io_engine != "python"
         if native:
             mod = io.load_native_distributed()
@@ -180,137 +178,76 @@ def _fused_choice(cfg: NvmeSwapConfig, opt: Any) -> bool:
 
 
 def _install(att: Any, opt: Any, state: SwapState, fuse: bool) -> None:
-    """Per-instance patches of the ZeRO-3 optimizer (undone by ``zerohooks.detach``); ``fuse``:
-    step swapped sub-groups with the fused Adam kernel whenever the optimizer allows it."""
-    # Why patches, not a seam: nvmeswap replaces DeepSpeed's whole ZeRO-3 NVMe path (sub-group
-    # prepare/release, the boundary hand-off, the fp32 state accessors, the step, checkpoints) with
-    # its own swapper, a path no other plugin takes; every name is in zerohooks.surface.SURFACE.
+    """nvmeswap's swapper in the place of DeepSpeed's ZeRO-3 NVMe path, through the adapter's
+    optimizer-state store (:mod:`zerohooks.adapter.statestore`; undone by ``zerohooks.detach``);
+    ``fuse``: step swapped sub-groups with the fused Adam kernel whenever the optimizer allows it."""
     groups = state.groups
 
-    def make_boundary(original: Callable[..., Any]) -> Callable[..., Any]:
-        def at_boundary(param: Any, grad_buffer: torch.Tensor, fp32_grads: Any, fp32_offsets: Any) -> Any:
-            pid = opt.get_param_id(param)
-            i, offset, _ = opt.grad_position[pid]
-            if i not in groups:
-                return original(param, grad_buffer, fp32_grads, fp32_offsets)
-            opt.norm_for_param_grads[pid] = opt._constant_buffered_norm2(grad_buffer)
-            # On a GPU, DeepSpeed hands over a temporary device copy of the gradient partition it
-            # keeps in (pinned) CPU memory: record the persistent CPU partition instead, so no
-            # device memory is held until the step and the CPU step reads it where it lies.
-            persistent = state.grad_partitions.get(param.ds_id)
-            if persistent is not None and persistent.device != grad_buffer.device:
-                grad_buffer = persistent.narrow(0, 0, grad_buffer.numel())
-                state.needs_sync = True
-            swapper.record_gradient(state, i, offset, grad_buffer)
-            return None
+    def holds(i: int) -> bool:
+        return i in groups
 
-        return at_boundary
+    def take_gradient(param: Any, i: int, offset: int, grad_buffer: torch.Tensor) -> None:
+        # On a GPU, DeepSpeed hands over a temporary device copy of the gradient partition it
+        # keeps in (pinned) CPU memory: record the persistent CPU partition instead, so no
+        # device memory is held until the step and the CPU step reads it where it lies.
+        persistent = state.grad_partitions.get(param.ds_id)
+        if persistent is not None and persistent.device != grad_buffer.device:
+            grad_buffer = persistent.narrow(0, 0, grad_buffer.numel())
+            state.needs_sync = True
+        swapper.record_gradient(state, i, offset, grad_buffer)
 
-    def make_prepare(original: Callable[..., Any]) -> Callable[..., Any]:
-        def prepare(sub_group_id: int, timer_names: Any) -> Any:
-            if sub_group_id not in groups:
-                return original(sub_group_id, timer_names)
-            swapper.swap_in(state, sub_group_id)
-            if fuse and fused.refusal(opt.optimizer, opt) is None:
-                state.fused.add(sub_group_id)  # the gradient is read by the fused step itself
-                swapper.sync_gradients(state)
-            else:
-                groups[sub_group_id].master.grad = swapper.build_gradient(state, sub_group_id)
-            return None
+    def prepare(i: int) -> None:
+        swapper.swap_in(state, i)
+        if fuse and fused.refusal(opt.optimizer, opt) is None:
+            state.fused.add(i)  # the gradient is read by the fused step itself
+            swapper.sync_gradients(state)
+        else:
+            statestore.set_master_grad(groups[i].master, swapper.build_gradient(state, i))
 
-        return prepare
+    def release(i: int) -> None:
+        statestore.set_master_grad(groups[i].master, None)
+        swapper.swap_out(state, i)
 
-    def make_release(original: Callable[..., Any]) -> Callable[..., Any]:
-        def release(sub_group_id: int, timer_names: Any) -> Any:
-            if sub_group_id not in groups:
-                return original(sub_group_id, timer_names)
-            groups[sub_group_id].master.grad = None
-            swapper.swap_out(state, sub_group_id)
-            return None
+    statestore.take_over_sub_groups(
+        att, opt, holds, take_gradient=take_gradient, prepare=prepare, release=release
+    )
+    if fuse:
 
-        return release
+        def step(i: int, group: dict[str, Any]) -> None:
+            fused.step(state, i, opt.optimizer, group, state.grad_scales.pop(i))
 
-    def make_unscale(original: Callable[..., Any]) -> Callable[..., Any]:
-        def unscale(sub_group_id: int, total_norm: Any) -> Any:
-            if sub_group_id not in state.fused:
-                return original(sub_group_id, total_norm)
-            # DeepSpeed's own unscale-and-clip, run on a one-element stand-in: the factor it
-            # multiplies by, rounded as it would round it, without an fp32 gradient buffer
-            flat = opt.fp32_partitioned_groups_flat
-            probe = torch.ones(1, dtype=torch.float32)
-            probe.grad = torch.ones(1, dtype=torch.float32)
-            saved, flat[sub_group_id] = flat[sub_group_id], probe
-            try:
-                original(sub_group_id, total_norm)
-            finally:
-                flat[sub_group_id] = saved
-            state.grad_scales[sub_group_id] = float(probe.grad[0])
-            return None
-
-        return unscale
-
-    def make_optimizer_step(original: Callable[..., Any]) -> Callable[..., Any]:
-        def optimizer_step(sub_group_id: int) -> Any:
-            if sub_group_id not in state.fused:
-                return original(sub_group_id)
-            group = opt.optimizer.param_groups[opt.sub_group_to_group_id[sub_group_id]]
-            fused.step(state, sub_group_id, opt.optimizer, group, state.grad_scales.pop(sub_group_id))
-            return None
-
-        return optimizer_step
+        statestore.take_over_step(
+            att, opt, state.fused.__contains__, note_scale=state.grad_scales.__setitem__, step=step
+        )
 
     # DeepSpeed's get/set APIs (safe_get_full_fp32_param, safe_set_full_grad, ...) read the
     # sub-group's tensors directly under CPU offload: bring them in first, write them back after.
-    def make_get_grad(original: Callable[..., Any]) -> Callable[..., Any]:
-        def get_grad(param: Any, release_swap_buffers: bool) -> Any:
-            i = opt.grad_position[opt.get_param_id(param)][0]
-            if i not in groups:
-                return original(param, release_swap_buffers)
-            if i not in state.overrides:  # the first access: the gradient as the step would see it
-                numel = state.groups[i].numel
-                state.overrides[i] = swapper.build_gradient(state, i, torch.empty(numel, dtype=torch.float32))
-            _, offset, numel = opt.grad_position[opt.get_param_id(param)]
-            return state.overrides[i].narrow(0, offset, numel), i
+    def gradient(i: int) -> torch.Tensor:
+        if i not in state.overrides:  # the first access: the gradient as the step would see it
+            numel = groups[i].numel
+            state.overrides[i] = swapper.build_gradient(state, i, torch.empty(numel, dtype=torch.float32))
+        return state.overrides[i]
 
-        return get_grad
+    @contextlib.contextmanager
+    def reading(i: int) -> Iterator[bool]:
+        if i in state.resident:
+            yield False
+            return
+        swapper.swap_in(state, i, prefetch=False)
+        try:
+            yield True
+        finally:
+            swapper.swap_out(state, i, write=False)
 
-    def make_get_state(original: Callable[..., Any]) -> Callable[..., Any]:
-        def get_state(param: Any, release_swap_buffers: bool, optim_state_key: Any = None) -> Any:
-            i = opt.grad_position[opt.get_param_id(param)][0]
-            if i not in groups or i in state.resident:
-                return original(param, release_swap_buffers, optim_state_key)
-            swapper.swap_in(state, i, prefetch=False)
-            try:
-                out, gi = original(param, release_swap_buffers, optim_state_key)
-                return out.clone(), gi
-            finally:
-                swapper.swap_out(state, i, write=False)
+    @contextlib.contextmanager
+    def writing(i: int) -> Iterator[None]:
+        swapper.swap_in(state, i, prefetch=False)
+        try:
+            yield
+        finally:
+            swapper.swap_out(state, i)
 
-        return get_state
-
-    def make_param_setter(original: Callable[..., Any]) -> Callable[..., Any]:
-        def setter(value: Any, param: Any, optim_state_key: Any = None) -> Any:
-            i = opt.grad_position[opt.get_param_id(param)][0]
-            if i not in groups:
-                return original(value, param, optim_state_key)
-            swapper.swap_in(state, i, prefetch=False)
-            try:
-                return original(value, param, optim_state_key)
-            finally:
-                swapper.swap_out(state, i)
-
-        return setter
-
-    att.patch(opt, "_offload_grad_partition_at_boundary", make_boundary, _OPT)
-    att.patch(opt, "_prepare_sub_group", make_prepare, _OPT)
-    att.patch(opt, "_release_sub_group", make_release, _OPT)
-    if fuse:
-        att.patch(opt, "unscale_and_clip_grads", make_unscale, _OPT)
-        att.patch(opt, "_optimizer_step", make_optimizer_step, _OPT)
-    att.patch(opt, "_get_fp32_grad_state_partition", make_get_grad, _OPT)
-    att.patch(opt, "_get_fp32_opt_state_partition", make_get_state, _OPT)
-    for name in _PARAM_SETTERS:
-        att.patch(opt, name, make_param_setter, _OPT)
+    statestore.guard_state_access(att, opt, holds, gradient=gradient, reading=reading, writing=writing)
     _install_checkpoint(att, opt, state)
 
 
@@ -320,20 +257,11 @@ def _install_checkpoint(att: Any, opt: Any, state: SwapState) -> None:
     load) makes the state resident meanwhile."""
     engine = att.engine
     seams.read_checkpoints_mapped(att)  # the optimizer file (12 bytes a parameter) is mapped, not read
-    att.patch(
-        engine, "_save_zero_checkpoint", lambda f: checkpoint.streamed_save(state, f), "DeepSpeedEngine"
-    )
-    att.patch(
-        engine,
-        "_load_zero_checkpoint",
-        lambda f: checkpoint.streamed_load(state, engine, f),
-        "DeepSpeedEngine",
-    )
     # load_checkpoint(load_module_only=True / load_optimizer_states=False) refreshes the fp32
     # masters from the loaded 16-bit weights instead (refresh_fp32_params goes through it too)
-    att.patch(
-        engine.optimizer,
-        "_restore_from_bit16_weights",
-        lambda f: checkpoint.resident(state, f),
-        "DeepSpeedZeroOptimizer_Stage3",
+    statestore.stream_checkpoints(
+        att,
+        save=lambda f: checkpoint.streamed_save(state, f),
+        load=lambda f: checkpoint.streamed_load(state, engine, f),
+        refresh_masters=lambda f: checkpoint.resident(state, f),
     )

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from nvmeswap import deferred, io
+from nvmeswap import io
 from nvmeswap.swapfile import (
     HEADER,
     SwapCorruptionError,
@@ -30,6 +30,7 @@ from nvmeswap.swapfile import (
     remove_folder,
     segment_bytes,
 )
+from zerohooks.adapter import statestore
 
 __all__ = ["Slot", "SubGroup", "SwapState", "build_gradient", "flush", "swap_in", "swap_out"]
 
@@ -122,13 +123,13 @@ class SwapState:
         self.keep_master = keep_master
         self.algorithm = algorithm
         self.state_slots = state_slots
-        numels = optimizer.fp16_partitioned_groups_flat_numel
+        numels = statestore.sub_group_numels(optimizer)
         self.groups: dict[int, SubGroup] = {
             i: SubGroup(
                 i,
-                int(numels[i]),
+                numels[i],
                 os.path.join(folder, f"subgroup{i:05d}.swp"),
-                optimizer.fp32_partitioned_groups_flat[i],
+                statestore.master(optimizer, i),
             )
             for i in sub_groups
         }
@@ -149,10 +150,8 @@ class SwapState:
         """sub-group -> {offset: 16-bit gradient partition} recorded at the accumulation boundary."""
         self.overrides: dict[int, torch.Tensor] = {}
         """sub-group -> fp32 gradient written through DeepSpeed's set-gradient APIs."""
-        self.grad_partitions: dict[int, torch.Tensor] = (
-            optimizer._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
-        )
-        self.grad_positions = optimizer.grad_position
+        self.grad_partitions: dict[int, torch.Tensor] = statestore.gradient_partitions(optimizer)
+        self.grad_positions = statestore.positions(optimizer)
         self.resident: set[int] = set()
         self.fused: set[int] = set()
         """Sub-groups whose step this window is the fused Adam kernel (decided when swapped in)."""
@@ -296,7 +295,7 @@ def swap_in(state: SwapState, index: int, prefetch: bool = True) -> None:
     if not state.keep_master:
         if g.checksum is None:  # first use: the master is still DeepSpeed's own tensor
             raise AssertionError("nvmeswap: sub-group swapped in before it was written")
-        g.master.data = _view(slot, segs["master"], g.numel)
+        statestore.set_master(g.master, _view(slot, segs["master"], g.numel))
     for key, t in state_tensors(state, g).items():
         t.data = _view(slot, segs[key], g.numel)
     state.resident.add(index)
@@ -353,7 +352,7 @@ def swap_out(state: SwapState, index: int, write: bool = True) -> None:
         g.writer = slot.engine
         state.bytes_written += HEADER + nbytes
     if not state.keep_master:
-        g.master.data = EMPTY
+        statestore.set_master(g.master, EMPTY)
     for k in keys:
         opt_state[k].data = EMPTY
     state.resident.discard(index)
@@ -374,10 +373,12 @@ def initialise(state: SwapState) -> None:
     preallocate({g.path: state.file_bytes(g) for g in state.groups.values()})
     for i in state.order:
         g = state.groups[i]
-        g.master.grad = None  # DeepSpeed's per-sub-group fp32 gradient buffer: not needed
-        master = deferred.materialise(state.optimizer, i)  # not made while DeepSpeed built the engine
+        statestore.set_master_grad(
+            g.master, None
+        )  # DeepSpeed's per-sub-group fp32 gradient buffer: not needed
+        master = statestore.materialise(state.optimizer, i)  # not made while DeepSpeed built the engine
         if master is not None:
-            g.master.data = master
+            statestore.set_master(g.master, master)
         swap_out(state, i)
     flush(state)
 
@@ -447,10 +448,10 @@ def _restore(state: SwapState) -> None:
         g = state.groups[i]
         swap_in(state, i, prefetch=False)
         if not state.keep_master:
-            g.master.data = g.master.data.clone()
+            statestore.set_master(g.master, g.master.data.clone())
         for t in state_tensors(state, g).values():
             t.data = t.data.clone()
-        g.master.grad = torch.zeros(g.numel, dtype=torch.float32)
+        statestore.set_master_grad(g.master, torch.zeros(g.numel, dtype=torch.float32))
         state.resident.discard(i)
         slot = g.slot
         assert slot is not None

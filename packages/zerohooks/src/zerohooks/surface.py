@@ -314,6 +314,29 @@ SEAMS: dict[str, tuple[Internal, ...]] = {
             read="ds_process_group ds_shape partition_numel",
         ),
     ),
+    # adapter/statestore.py: ZeRO 3's fp32 optimizer state held elsewhere by a plugin (nvmeswap
+    # replaces DeepSpeed's NVMe path: sub-group prepare/release, the boundary hand-off, the fp32
+    # state accessors, the step, checkpoints, the masters while the optimizer is built)
+    "optimizer_state_store": (
+        *_entries(
+            "optimizer_state_store",
+            ZERO3,
+            (3,),
+            patch="_offload_grad_partition_at_boundary _prepare_sub_group _release_sub_group unscale_and_clip_grads _optimizer_step _get_fp32_grad_state_partition _get_fp32_opt_state_partition set_full_hp_param set_local_hp_param _restore_from_bit16_weights _rigid_load_state_dict",
+            write="norm_for_param_grads",
+            read="fp32_partitioned_groups_flat fp16_partitioned_groups_flat_numel grad_position __param_id_to_grad_partition _constant_buffered_norm2 sub_group_to_group_id get_param_id optimizer",
+        ),
+        *_entries("optimizer_state_store", ENGINE, (3,), patch="_save_zero_checkpoint _load_zero_checkpoint"),
+        # while DeepSpeed builds the optimizer (skipped on a DeepSpeed without them)
+        *_entries(
+            "optimizer_state_store",
+            ZERO3,
+            (3,),
+            optional_patch="_create_momentum_buffer initialize_optimizer_states",
+            optional="fp16_partitioned_groups_flat subgroup_to_device offload_optimizer offload_optimizer_pin_memory use_muon",
+        ),
+        *_entries("optimizer_state_store", PARAM, (3,), read="ds_id"),
+    ),
 }
 """Every seam the adapter offers, with the DeepSpeed names it touches and how."""
 
