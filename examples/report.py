@@ -18,12 +18,8 @@ import report_state
 Result = dict[str, Any]
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
+human_bytes = report_state.human
+"""Bytes in B/KiB/MiB/GiB (one formatter for the wire, disk and model-state columns)."""
 
 
 def _mean(xs: list[float]) -> float:

@@ -38,6 +38,7 @@ _FIT_NEEDS = (
     "contiguous_gradients",
     "overlap_comm",
     "reduce_bucket_size",
+    "_gradient_reduction_buffer_dtype",
 )
 """Read (and ``setup_buckets`` wrapped) to size the IPG buffers; optional: without them DeepSpeed's
 own sizes stay (memory only)."""
@@ -66,7 +67,7 @@ def _fit_bucket_buffers(att: Attachment, opt: Any) -> None:
     The buckets that need less get buffers of their size instead, allocated in DeepSpeed's place,
     same dtype and device; DeepSpeed flushes a bucket before it would overflow
     ``reduce_bucket_size``, and the bucket never holds more than its gradients."""
-    if any(not hasattr(opt, n) for n in _FIT_NEEDS) or not hasattr(opt, "_gradient_reduction_buffer_dtype"):
+    if any(not hasattr(opt, n) for n in _FIT_NEEDS):
         return
     needs = _bucket_needs(att, opt)
 
