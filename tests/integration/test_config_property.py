@@ -204,6 +204,11 @@ TABLES: dict[str, dict[str, dict[str, list[Any]]]] = {
             X: [4095, 5000, 0, -4096, NAN, INF, "x", None, 4096.0, "4096", True, 2**40, (1 << 28) + 4096],
         },
         "min_swap_numel": {V: [0, 100, 10**9, 2**48], X: [-1, 0.5, None, "0", False, 0.0, 2**48 + 1]},
+        "prefetch_bytes": {
+            V: [0, 1 << 30, 2**48],
+            R: [1, 4095],
+            X: [-1, 0.5, None, "0", False, 0.0, 2**48 + 1],
+        },
         "io_engine": {V: ["detect", "python", "auto"], R: ["native"], X: ["libaio", "Python", None, 1]},
         "fused_adam": {
             V: [True, False, "when_supported", "auto"],
@@ -820,6 +825,7 @@ BOUNDED = {
     ("nvmeswap", "io_threads"),
     ("nvmeswap", "buffer_count"),
     ("nvmeswap", "min_swap_numel"),
+    ("nvmeswap", "prefetch_bytes"),
     ("loco", "reset_T"),
     ("loco", "exact_below"),
     ("loco", "node_size"),

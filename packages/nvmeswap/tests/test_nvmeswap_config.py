@@ -66,6 +66,9 @@ def test_nvme_offload_becomes_cpu_offload_owned_by_nvmeswap() -> None:
         (lambda c: c.update(nvmeswap={"io_threads": 33}), r"io_threads: .*<= 32"),
         (lambda c: c.update(nvmeswap={"block_size": 1 << 40}), r"block_size: .*<= 268435456"),
         (lambda c: c.update(nvmeswap={"min_swap_numel": 2**48 + 1}), r"min_swap_numel: .*<= 281474976710656"),
+        (lambda c: c.update(nvmeswap={"prefetch_bytes": 2**48 + 1}), r"prefetch_bytes: .*<= 281474976710656"),
+        (lambda c: c.update(nvmeswap={"prefetch_bytes": -1}), r"prefetch_bytes: .*>= 0"),
+        (lambda c: c.update(nvmeswap={"prefetch_bytes": 1.5}), r"prefetch_bytes: .*a JSON integer"),
         # three state tensors per element do not fit the swap files (was a RuntimeError at the first step)
         (
             lambda c: c.update(optimizer={"type": "AdamW", "params": {"amsgrad": True}}),

@@ -42,9 +42,9 @@ def ensure_slots(state: SwapState) -> None:
 
 
 def trim_slots(state: SwapState) -> None:
-    """Back to ``buffer_count`` buffers."""
+    """Back to the buffers kept between steps (``buffer_count`` and ``prefetch_bytes``'s)."""
     swapper.flush(state)
-    del state.slots[state.buffer_count :]
+    del state.slots[state.pool :]
 
 
 def resident(state: SwapState, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -96,6 +96,7 @@ def _settle(state: SwapState, what: str) -> None:
         raise RuntimeError(
             f"nvmeswap: checkpoint {what} while sub-groups {sorted(state.resident)} are stepped"
         )
+    swapper.drop_prefetched(state)  # a load rewrites the files: nothing read before it is kept
     swapper.flush(state)
 
 

@@ -9,7 +9,14 @@ import pydantic
 from zerohooks import ConfigError, PluginConfig
 from zerohooks.strict import MAX_NUMEL
 
-__all__ = ["MAX_BLOCK_SIZE", "MAX_BUFFERS", "MAX_IO_THREADS", "NvmeSwapConfig", "rewrite_offload"]
+__all__ = [
+    "MAX_BLOCK_SIZE",
+    "MAX_BUFFERS",
+    "MAX_IO_THREADS",
+    "MAX_PREFETCH_BYTES",
+    "NvmeSwapConfig",
+    "rewrite_offload",
+]
 
 
 MAX_BUFFERS = 16
@@ -18,6 +25,8 @@ MAX_IO_THREADS = 32
 """Upper bound of ``io_threads`` (per buffer)."""
 MAX_BLOCK_SIZE = 1 << 28
 """Upper bound of ``block_size`` (256 MiB per request)."""
+MAX_PREFETCH_BYTES = 1 << 48
+"""Upper bound of ``prefetch_bytes`` (256 TiB: more RAM than any machine; the RAM check decides)."""
 
 
 class NvmeSwapConfig(PluginConfig):
@@ -47,6 +56,16 @@ class NvmeSwapConfig(PluginConfig):
     """Sub-groups with fewer elements stay in RAM (DeepSpeed's own swapper keeps those under 1 MiB).
     At most 2**48 (``zerohooks.strict.MAX_NUMEL``, more elements than any sub-group has: that
     value already keeps every sub-group in RAM)."""
+    prefetch_bytes: int = pydantic.Field(0, ge=0, le=MAX_PREFETCH_BYTES)
+    """RAM, in bytes, for optimizer state read ahead while backward runs (the overlap; 0, the
+    default: none).  At the last micro-step of an accumulation window, each swapped sub-group
+    whose gradients are all final (ZeRO-3 finishes them in reverse order of the forward) starts
+    reading its master and moments into one more swap buffer, so that the step finds it in RAM;
+    ``prefetch_bytes // buffer size`` such buffers are made (a buffer holds the largest
+    sub-group's swapped state: 12 bytes an element, 8 with ``keep_master_in_ram``).  A value
+    that is not 0 but smaller than one buffer is a ConfigError naming the buffer size, and these
+    buffers count with ``buffer_count``'s in the RAM check made when the engine is built.  At
+    most 2**48.  The arithmetic is unchanged: losses and weights are bit-identical to 0."""
     io_engine: Literal["detect", "native", "python"] = "detect"
     """``detect`` (the default, also when the key is absent): the C++ engine, or the pure-Python
     one (with a warning) if it cannot be built; ``native``: the C++ engine or an error;

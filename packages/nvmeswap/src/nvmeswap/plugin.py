@@ -109,6 +109,7 @@ class NvmeSwapPlugin(ZeroPlugin):
             buffer_count=cfg.buffer_count,
             make_engine=make_engine,
             algorithm=1 if native else 2,
+            prefetch_bytes=cfg.prefetch_bytes,
         )
         # the folder is this engine's, and every rank's files fit on their disks: checked with
         # every rank before any file is touched (all ranks fail together otherwise)

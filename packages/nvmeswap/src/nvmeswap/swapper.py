@@ -101,6 +101,11 @@ class SwapState:
         "order",
         "overrides",
         "pending_grads",
+        "pool",
+        "prefetch_hits",
+        "prefetch_slots",
+        "prefetched",
+        "recorded",
         "resident",
         "scratch",
         "slots",
@@ -117,6 +122,7 @@ class SwapState:
         make_engine: Any,
         algorithm: int,
         state_slots: int = 2,
+        prefetch_bytes: int = 0,
     ) -> None:
         self.optimizer = optimizer
         self.folder = folder
@@ -138,8 +144,12 @@ class SwapState:
         self.capacity = HEADER + (state_slots + (0 if keep_master else 1)) * segment_bytes(biggest)
         self.make_engine = make_engine
         self.buffer_count = min(buffer_count, max(len(sub_groups), 1))
-        _check_buffer_memory(self.buffer_count, self.capacity, biggest)
-        self.slots = [Slot(self.capacity, make_engine()) for _ in range(self.buffer_count)]
+        self.prefetch_slots = _prefetch_slots(prefetch_bytes, self.capacity, len(sub_groups))
+        """Extra buffers for sub-groups read ahead while backward runs (``prefetch_bytes``)."""
+        self.pool = self.buffer_count + self.prefetch_slots
+        """Buffers between steps (a checkpoint's load may add some for a while)."""
+        _check_buffer_memory(self.pool, self.capacity, biggest, self.prefetch_slots)
+        self.slots = [Slot(self.capacity, make_engine()) for _ in range(self.pool)]
         self.clock = 0
         self.depth = 0
         """Nesting of calls that make every sub-group resident (checkpoint.resident)."""
@@ -148,6 +158,12 @@ class SwapState:
         never when every step is fused)."""
         self.pending_grads: dict[int, dict[int, torch.Tensor]] = {}
         """sub-group -> {offset: 16-bit gradient partition} recorded at the accumulation boundary."""
+        self.recorded: dict[int, int] = {}
+        """sub-group -> elements of its gradient recorded this window (all: its gradient is final)."""
+        self.prefetched: set[int] = set()
+        """Sub-groups read ahead during backward, holding a buffer until their step (not resident)."""
+        self.prefetch_hits = 0
+        """Sub-groups the step found read ahead (counted when swapped in)."""
         self.overrides: dict[int, torch.Tensor] = {}
         """sub-group -> fp32 gradient written through DeepSpeed's set-gradient APIs."""
         self.grad_partitions: dict[int, torch.Tensor] = statestore.gradient_partitions(optimizer)
@@ -181,16 +197,32 @@ def _meminfo(key: str) -> int | None:
     return None
 
 
-def _check_buffer_memory(count: int, capacity: int, biggest: int) -> None:
+def _prefetch_slots(prefetch_bytes: int, capacity: int, count: int) -> int:
+    """The buffers ``prefetch_bytes`` of RAM holds (at most one per swapped sub-group)."""
+    if prefetch_bytes and prefetch_bytes < capacity:
+        from zerohooks import ConfigError
+
+        raise ConfigError(
+            f"nvmeswap.prefetch_bytes = {prefetch_bytes} is less than one swap buffer ({capacity} bytes: the "
+            "largest sub-group's master and moments); accepted: 0 (no read-ahead during backward) or at "
+            f"least {capacity} (a multiple of it: one sub-group read ahead per {capacity} bytes)"
+        )
+    return min(prefetch_bytes // capacity, count)
+
+
+def _check_buffer_memory(count: int, capacity: int, biggest: int, prefetch: int = 0) -> None:
     """The RAM buffers must fit: each holds a whole sub-group's master and moments (12 bytes an
     element), so DeepSpeed's default ``sub_group_size`` (1e9) would ask for 36 GB.  More than the
     machine's RAM is an error; more than is available now (other processes) a warning."""
     need = count * capacity
+    extra = f", {prefetch} of them for nvmeswap.prefetch_bytes," if prefetch else ""
     what = (
-        f"nvmeswap: {count} swap buffers of {capacity} bytes (the largest sub-group, {biggest} elements, "
+        f"nvmeswap: {count} swap buffers{extra} of {capacity} bytes (the largest sub-group, {biggest} elements, "
         f"with its fp32 master and moments) need {need} bytes of RAM"
     )
     fix = "lower zero_optimization.sub_group_size (e.g. 50000000: 0.6 GB a buffer) or nvmeswap.buffer_count"
+    if prefetch:
+        fix += " or nvmeswap.prefetch_bytes"
     total, avail = _meminfo("MemTotal"), _meminfo("MemAvailable")
     if total is not None and need > total:
         from zerohooks import ConfigError
@@ -231,9 +263,10 @@ def _free_slot(state: SwapState) -> Slot | None:
     return min(free, key=lambda s: s.released) if free else None
 
 
-def _acquire(state: SwapState, g: SubGroup) -> Slot:
-    """A buffer for ``g``: the free one released longest ago, once its last write is done."""
-    slot = _free_slot(state)
+def _acquire(state: SwapState, g: SubGroup, slot: Slot | None = None) -> Slot:
+    """A buffer for ``g`` (``slot``, else the free one released longest ago), once its last write
+    is done."""
+    slot = slot or _free_slot(state)
     if slot is None:
         raise RuntimeError("nvmeswap: every swap buffer is in use; raise nvmeswap.buffer_count")
     _wait(state, slot.engine)  # its previous write must be on disk before the buffer is reused
@@ -242,11 +275,11 @@ def _acquire(state: SwapState, g: SubGroup) -> Slot:
     return slot
 
 
-def _read(state: SwapState, g: SubGroup) -> None:
-    """Start reading ``g`` into a buffer (nothing to read before its first write)."""
+def _read(state: SwapState, g: SubGroup, slot: Slot | None = None) -> None:
+    """Start reading ``g`` into a buffer, ``slot`` if given (nothing to read before its first write)."""
     if g.slot is not None:
         return
-    slot = _acquire(state, g)
+    slot = _acquire(state, g, slot)
     if g.checksum is None:
         return
     if g.writer is not None and g.writer is not slot.engine:
@@ -289,6 +322,9 @@ def swap_in(state: SwapState, index: int, prefetch: bool = True) -> None:
     g = state.groups[index]
     if index in state.resident:
         return
+    if index in state.prefetched:
+        state.prefetched.discard(index)
+        state.prefetch_hits += 1
     _read(state, g)
     slot = _finish_read(state, g)
     segs = dict(segments(state, g, g.keys))
@@ -383,14 +419,55 @@ def initialise(state: SwapState) -> None:
     flush(state)
 
 
+# -- read-ahead during backward --------------------------------------------------------------------
+def prefetch(state: SwapState, index: int) -> bool:
+    """Start reading sub-group ``index`` into a free buffer while backward still runs, if the
+    ``prefetch_bytes`` budget has room and neither the buffer nor the sub-group's file has I/O
+    in flight (backward never waits on the disk); True if the read was started.  The buffer
+    stays the sub-group's until its step swaps it in (verified then) or :func:`drop_prefetched`."""
+    g = state.groups[index]
+    if len(state.prefetched) >= state.prefetch_slots or g.slot is not None or g.checksum is None:
+        return False
+    if g.writer is not None and g.writer.pending():
+        return False
+    # at most prefetch_slots of the buffers are held this way: buffer_count stay for the step
+    free = [s for s in state.slots if s.owner is None and not s.engine.pending()]
+    if not free:
+        return False
+    _read(state, g, min(free, key=lambda s: s.released))
+    state.prefetched.add(index)
+    return True
+
+
+def drop_prefetched(state: SwapState) -> None:
+    """Forget the sub-groups read ahead and not stepped (a skipped step, a checkpoint, a load):
+    their buffers are free again (reused once their reads are done), nothing is written."""
+    for i in sorted(state.prefetched):
+        g = state.groups[i]
+        slot = g.slot
+        if slot is not None:
+            state.clock += 1
+            slot.owner, slot.ready, slot.released = None, False, state.clock
+            g.slot = None
+    state.prefetched.clear()
+
+
 # -- gradients ------------------------------------------------------------------------------------
 def record_gradient(state: SwapState, index: int, offset: int, grad16: torch.Tensor) -> None:
-    """At the boundary: remember where sub-group ``index``'s gradient lies (no copy, no I/O)."""
+    """At the boundary: remember where sub-group ``index``'s gradient lies (no copy, no I/O); when
+    that completes the sub-group's gradient, read its state ahead (``prefetch_bytes``)."""
     if not state.pending_grads:
         # the first gradient of a new window: gradients read through DeepSpeed's APIs since the
         # last step (zeros then) are stale
         state.overrides.clear()
-    state.pending_grads.setdefault(index, {})[offset] = grad16
+        state.recorded.clear()
+    parts = state.pending_grads.setdefault(index, {})
+    before = parts.get(offset)
+    parts[offset] = grad16
+    count = state.recorded.get(index, 0) + grad16.numel() - (0 if before is None else before.numel())
+    state.recorded[index] = count
+    if state.prefetch_slots and count == state.groups[index].numel:
+        prefetch(state, index)
 
 
 def build_gradient(state: SwapState, index: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -426,6 +503,8 @@ def sync_gradients(state: SwapState) -> None:
 def end_step(state: SwapState) -> None:
     """After the optimizer step (or a skipped one): forget this window's gradients."""
     state.pending_grads.clear()
+    state.recorded.clear()
+    drop_prefetched(state)  # a skipped step stepped none of them
     state.overrides.clear()
     state.fused.clear()
     state.grad_scales.clear()

@@ -1,0 +1,307 @@
+"""nvmeswap's read-ahead during backward (``prefetch_bytes``) on 2 gloo ranks, ZeRO 3, two
+micro-steps a step.
+
+The oracles: the same run with ``prefetch_bytes: 0`` (today's nvmeswap, itself bit-identical to
+DeepSpeed's own CPU offload, test_nvmeswap_training.py) and DeepSpeed's CPU offload.  Every
+interruption (a checkpoint saved or loaded, a detach, while sub-groups are read ahead; an
+fp16 step the loss scaler skips; an exception raised in backward) runs the same sequence with
+the read-ahead on and off: losses and state must be equal bit for bit, and the read-ahead must
+have been under way at the interruption (else the test proves nothing).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from _nvme_common import _build, _oracle_config, _state, config, masters, moments, params16
+
+from zerohooks.testing import run_distributed
+
+pytestmark = pytest.mark.multirank
+
+ALL = 1 << 30
+"""``prefetch_bytes`` holding every sub-group of the test model (a few MB each)."""
+BUCKET = 100_000
+"""``reduce_bucket_size``: DeepSpeed reduces (and so finalises) gradients during backward, in
+buckets of this many elements, not all at its end (the default bucket holds the whole model)."""
+
+
+def _config(path: str, section: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    cfg = config(path, nvmeswap=section, **kw)
+    cfg["zero_optimization"]["reduce_bucket_size"] = BUCKET
+    return cfg
+
+
+def _run(engine: Any, steps: int, first: int = 0, gas: int = 2, probe: Any = None) -> list[float]:
+    """The batches of ``_nvme_common.train``; ``probe(engine, boundary)`` after each backward."""
+    rank = int(os.environ.get("RANK", "0"))
+    losses = []
+    for s in range(first, first + steps):
+        for m in range(gas):
+            g = torch.Generator().manual_seed(1000 * s + 10 * m + rank)
+            x = torch.randn(4, 600, generator=g).to(next(engine.module.parameters()).dtype)
+            loss = (engine(x).float() - x.float()).pow(2).mean()
+            engine.backward(loss)
+            if probe is not None:
+                probe(engine, m == gas - 1)
+            engine.step()
+            losses.append(float(loss))
+    return losses
+
+
+def _local(engine: Any) -> list[torch.Tensor]:
+    """This rank's fp32 partitions and moments, read from the optimizer (no collective)."""
+    opt = engine.optimizer
+    out = []
+    for t in opt.fp32_partitioned_groups_flat:
+        out.append(t.detach().clone())
+        st = opt.optimizer.state.get(t, {})
+        out += [st[k].detach().clone() for k in ("exp_avg", "exp_avg_sq") if k in st]
+    return out
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _prefetched(engine: Any) -> int:
+    st = _state(engine)
+    return len(st.prefetched) if st is not None else -1
+
+
+def scenario_equal(tmp: str) -> dict[str, Any]:
+    """Read-ahead of every sub-group, of one, and none: the same losses, weights, masters and
+    moments as DeepSpeed's CPU offload, and the same bytes moved."""
+    import zerohooks
+
+    rank = int(os.environ["RANK"])
+    out: dict[str, Any] = {}
+    ref_cfg = _oracle_config(f"{tmp}/eq_oracle{rank}")
+    ref_cfg["zero_optimization"]["reduce_bucket_size"] = BUCKET
+    ref = _build(ref_cfg, plugins=False)
+    out["oracle"] = _run(ref, 4)
+    oracle = (params16(ref), masters(ref), moments(ref))
+    off = _build(_config(f"{tmp}/eq_off{rank}", {}))
+    capacity = _state(off).capacity
+    out["numels"] = [g.numel for g in _state(off).groups.values()]
+    try:
+        _build(_config(f"{tmp}/eq_small{rank}", {"prefetch_bytes": capacity - 1}))
+        out["small_error"] = ""
+    except zerohooks.ConfigError as e:
+        out["small_error"] = str(e)
+    out["capacity"] = capacity
+    engines = {"off": off}
+    engines["all"] = _build(_config(f"{tmp}/eq_all{rank}", {"prefetch_bytes": ALL}))
+    engines["one"] = _build(_config(f"{tmp}/eq_one{rank}", {"prefetch_bytes": capacity}))
+    for name, eng in engines.items():
+        st = _state(eng)
+        seen: list[tuple[bool, int]] = []
+        out[f"{name}_losses"] = _run(eng, 4, probe=lambda e, b, seen=seen: seen.append((b, _prefetched(e))))
+        out[f"{name}_probes"] = seen
+        out[f"{name}_slots"] = (st.prefetch_slots, len(st.slots), st.buffer_count)
+        out[f"{name}_hits"] = st.prefetch_hits
+        out[f"{name}_bytes"] = (st.bytes_read, st.bytes_written)
+        out[f"{name}_equal"] = [
+            _same(x, y) for x, y in zip(oracle, (params16(eng), masters(eng), moments(eng)), strict=True)
+        ]
+        zerohooks.detach(eng)
+    return out
+
+
+def _sequence(tmp: str, name: str, on: bool) -> dict[str, Any]:
+    """One interruption, with the read-ahead ``on`` or off: what it returns must be the same."""
+    import zerohooks
+
+    rank = int(os.environ["RANK"])
+    section = {"prefetch_bytes": ALL} if on else {}
+    tag = f"{name}_{'on' if on else 'off'}"
+    folder, ckpt = f"{tmp}/{tag}{rank}", f"{tmp}/{tag}_ckpt"
+    kw: dict[str, Any] = {}
+    if name == "overflow":
+        kw["dtype"] = "fp16"
+    cfg = _config(folder, section, **kw)
+    if name == "overflow":  # 2**32 overflows fp16 gradients: the first steps are skipped
+        cfg["fp16"].update(initial_scale_power=32, hysteresis=1)
+    eng = _build(cfg)
+    out: dict[str, Any] = {"at_interruption": -1}
+
+    def note(e: Any) -> None:
+        out["at_interruption"] = _prefetched(e)
+
+    if name == "save_mid":  # saved between the last backward and the step
+        out["losses"] = _run(eng, 2)
+
+        def save(e: Any, boundary: bool) -> None:
+            if boundary:
+                note(e)
+                e.save_checkpoint(ckpt, tag="mid")
+
+        out["losses"] += _run(eng, 1, first=2, probe=save)
+        out["losses"] += _run(eng, 1, first=3)
+        out["state"] = _local_after_detach(eng)
+        again = _build(_config(f"{folder}_again", section, **kw))
+        again.load_checkpoint(ckpt, tag="mid")
+        out["resumed"] = _run(again, 2, first=2)
+        out["resumed_state"] = _local_after_detach(again)
+    elif name == "load_mid":  # an older checkpoint loaded while the newer state is read ahead
+        out["losses"] = _run(eng, 2)
+        eng.save_checkpoint(ckpt, tag="s2")
+        out["losses"] += _run(eng, 1, first=2)
+
+        def load(e: Any, boundary: bool) -> None:
+            if boundary:
+                note(e)
+                e.load_checkpoint(ckpt, tag="s2")
+                out["after_load"] = _prefetched(e)
+
+        out["losses"] += _run(eng, 1, first=3, probe=load)
+        out["losses"] += _run(eng, 1, first=4)
+        out["state"] = _local_after_detach(eng)
+    elif name == "detach_mid":  # detached between the last backward and the step
+        out["losses"] = _run(eng, 2)
+
+        def detach(e: Any, boundary: bool) -> None:
+            if boundary:
+                note(e)
+                zerohooks.detach(e)
+
+        out["losses"] += _run(eng, 1, first=2, probe=detach)
+        out["losses"] += _run(eng, 1, first=3)
+        out["state"] = _local(eng)
+    elif name == "overflow":  # fp16 steps skipped by the loss scaler after the read-ahead began
+        seen: list[tuple[bool, int, int]] = []
+
+        def probe(e: Any, boundary: bool) -> None:
+            seen.append((boundary, _prefetched(e), e.skipped_steps))
+            if boundary and e.skipped_steps == 0:  # the first steps overflow
+                note(e)
+
+        out["losses"] = _run(eng, OVERFLOW_STEPS, probe=probe)
+        out["probes"] = seen
+        out["skipped"] = eng.skipped_steps
+        out["state"] = _local_after_detach(eng)
+    elif name == "exception":  # backward raises at the last micro-step, part of the way through
+        out["losses"] = _run(eng, 2)
+        x = torch.randn(4, 600, generator=torch.Generator().manual_seed(7 + rank)).to(torch.bfloat16)
+        eng.backward((eng(x).float() - x.float()).pow(2).mean())  # a non-boundary micro-step first
+        eng.step()
+        x2 = x.clone().requires_grad_(True)  # its gradient comes last: the first layer's after
+
+        def boom(_: torch.Tensor) -> None:
+            note(eng)
+            raise RuntimeError("boom in backward")
+
+        x2.register_hook(boom)
+        try:
+            eng.backward((eng(x2).float() - x.float()).pow(2).mean())
+            out["raised"] = ""
+        except RuntimeError as e:
+            out["raised"] = str(e)
+        out["state"] = _local_after_detach(eng)
+    return out
+
+
+def _local_after_detach(engine: Any) -> list[torch.Tensor]:
+    import zerohooks
+
+    zerohooks.detach(engine)  # every sub-group back in RAM, read and verified
+    return _local(engine)
+
+
+OVERFLOW_STEPS = 12
+"""fp16 steps from a loss scale of 2**32: the first ones overflow and are skipped."""
+INTERRUPTIONS = ("save_mid", "load_mid", "detach_mid", "overflow", "exception")
+
+
+def scenario_interruptions(tmp: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in INTERRUPTIONS:
+        on, off = _sequence(tmp, name, True), _sequence(tmp, name, False)
+        out[name] = {
+            "on": {k: v for k, v in on.items() if "state" not in k},
+            "off": {k: v for k, v in off.items() if "state" not in k},
+            "state_equal": {k: _same(on[k], off[k]) for k in on if "state" in k},
+        }
+    return out
+
+
+def _scenarios(tmp: str) -> dict[str, Any]:
+    return {"equal": scenario_equal(tmp), "interruptions": scenario_interruptions(tmp)}
+
+
+@pytest.fixture(scope="module")
+def overlap(
+    tmp_path_factory: pytest.TempPathFactory, native_engine: bool, fused_kernel: bool
+) -> list[dict[str, Any]]:
+    tmp = str(tmp_path_factory.mktemp("overlap"))
+    return run_distributed(_scenarios, 2, args=(tmp,), timeout=1200, fp16_on_cpu=True)
+
+
+@pytest.mark.parametrize("name", ["all", "one"])
+def test_read_ahead_is_bit_identical(overlap: list[dict[str, Any]], name: str) -> None:
+    """Losses, 16-bit weights, masters and moments equal DeepSpeed's CPU offload and the run
+    without read-ahead bit for bit; the same bytes are read and written (nothing read twice)."""
+    for r in overlap:
+        t = r["equal"]
+        assert t[f"{name}_losses"] == t["off_losses"] == t["oracle"]
+        assert t[f"{name}_equal"] == [True, True, True] and t["off_equal"] == [True, True, True]
+        assert t[f"{name}_bytes"] == t["off_bytes"]
+
+
+def test_read_ahead_only_at_the_boundary_and_within_budget(overlap: list[dict[str, Any]]) -> None:
+    """Sub-groups are read ahead in the boundary micro-step's backward only (gradient
+    accumulation: none after the first micro-step), at most as many as ``prefetch_bytes`` holds,
+    and each is found by its step; without ``prefetch_bytes`` nothing is read ahead."""
+    for r in overlap:
+        t = r["equal"]
+        groups = len(t["numels"])
+        assert groups >= 2
+        assert t["all_slots"] == (groups, t["all_slots"][2] + groups, t["all_slots"][2])
+        assert t["one_slots"][0] == 1 and t["off_slots"][0] == 0
+        for name, most in (("all", groups), ("one", 1)):
+            probes = t[f"{name}_probes"]
+            assert [n for b, n in probes if not b] == [0] * 4
+            # the last sub-group's gradient is final before backward ends: read ahead at once
+            assert all(1 <= n <= most for b, n in probes if b), probes
+            assert t[f"{name}_hits"] == sum(n for b, n in probes if b)
+        assert t["off_hits"] == 0 and all(n == 0 for _, n in t["off_probes"])
+
+
+def test_prefetch_bytes_below_one_buffer_is_refused(overlap: list[dict[str, Any]]) -> None:
+    for r in overlap:
+        t = r["equal"]
+        msg = t["small_error"]
+        assert (
+            "nvmeswap.prefetch_bytes" in msg and str(t["capacity"] - 1) in msg and str(t["capacity"]) in msg
+        )
+
+
+@pytest.mark.parametrize("name", INTERRUPTIONS)
+def test_interruption_with_read_ahead(overlap: list[dict[str, Any]], name: str) -> None:
+    """The interruption came while sub-groups were read ahead, and the run (losses, and the state
+    each rank holds, read back and verified at detach) is the run without read-ahead."""
+    for r in overlap:
+        t = r["interruptions"][name]
+        on, off = t["on"], t["off"]
+        assert on["at_interruption"] >= 1 and off["at_interruption"] == 0
+        assert on["losses"] == off["losses"] and on["losses"]
+        assert t["state_equal"] and all(t["state_equal"].values()), t["state_equal"]
+        if name == "save_mid":  # a fresh engine resumes from the checkpoint saved mid-window
+            assert on["resumed"] == off["resumed"] == on["losses"][4:8]
+        if name == "load_mid":  # nothing read before the load survives it
+            assert on["after_load"] == 0
+        if name == "overflow":
+            assert on["skipped"] == off["skipped"] >= 1
+            assert on["skipped"] < OVERFLOW_STEPS  # some steps were taken too
+            # read ahead before a step that was skipped, and dropped with it: nothing is held
+            # at the next micro-step (none is a boundary: two micro-steps a step)
+            probes = on["probes"]
+            assert any(
+                b and n >= 1 and probes[k + 1][2] > skipped for k, (b, n, skipped) in enumerate(probes[:-1])
+            )
+            assert all(n == 0 for b, n, _ in probes if not b)
+        if name == "exception":
+            assert on["raised"] == off["raised"] == "boom in backward"
