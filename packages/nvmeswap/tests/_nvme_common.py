@@ -259,7 +259,21 @@ def scenario_checkpoint(tmp: str) -> dict[str, Any]:
             return [p.detach().float().clone() for p in e.module.parameters()]
 
     masters_before = [torch.equal(m, w) for m, w in zip(masters(third), weights(third), strict=True)]
-    third.load_checkpoint(ckpt, tag="s2", load_module_only=True)
+    # streamed: at most one sub-group resident at a time (it used to make them all resident)
+    from nvmeswap import swapper
+
+    resident_counts: list[int] = []
+    real_swap_in = swapper.swap_in
+
+    def counting_swap_in(state: Any, index: int, prefetch: bool = True) -> None:
+        real_swap_in(state, index, prefetch)
+        resident_counts.append(len(state.resident))
+
+    swapper.swap_in = counting_swap_in  # type: ignore[assignment]
+    try:
+        third.load_checkpoint(ckpt, tag="s2", load_module_only=True)
+    finally:
+        swapper.swap_in = real_swap_in  # type: ignore[assignment]
     module_only = [torch.equal(m, w) for m, w in zip(masters(third), weights(third), strict=True)]
     module_only_losses = train(third, 1, first=2)
     fourth = _build(config(f"{tmp}/ck_d{rank}", nvmeswap={}))
@@ -281,6 +295,7 @@ def scenario_checkpoint(tmp: str) -> dict[str, Any]:
         "module_only": module_only,
         "masters_before_module_only": masters_before,
         "module_only_losses": module_only_losses,
+        "module_only_resident": resident_counts,
         "reads": reads,
         "trusted_reads": trusted_reads,
         "still_mapped": still_mapped,

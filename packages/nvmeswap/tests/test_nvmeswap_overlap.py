@@ -144,6 +144,9 @@ def _sequence(tmp: str, name: str, on: bool) -> dict[str, Any]:
         out["state"] = _local_after_detach(eng)
         again = _build(_config(f"{folder}_again", section, **kw))
         again.load_checkpoint(ckpt, tag="mid")
+        # each sub-group's pages of the mapped checkpoint were dropped once it was written back
+        st = _state(again)
+        out["dropped"] = (st.pages_dropped, sum(3 * 4 * g.numel for g in st.groups.values()), len(st.groups))
         out["resumed"] = _run(again, 2, first=2)
         out["resumed_state"] = _local_after_detach(again)
     elif name == "load_mid":  # an older checkpoint loaded while the newer state is read ahead
@@ -291,6 +294,8 @@ def test_interruption_with_read_ahead(overlap: list[dict[str, Any]], name: str) 
         assert t["state_equal"] and all(t["state_equal"].values()), t["state_equal"]
         if name == "save_mid":  # a fresh engine resumes from the checkpoint saved mid-window
             assert on["resumed"] == off["resumed"] == on["losses"][4:8]
+            dropped, state_bytes, groups = on["dropped"]
+            assert state_bytes - 3 * groups * 8192 <= dropped <= state_bytes
         if name == "load_mid":  # nothing read before the load survives it
             assert on["after_load"] == 0
         if name == "overflow":
@@ -305,3 +310,49 @@ def test_interruption_with_read_ahead(overlap: list[dict[str, Any]], name: str) 
             assert all(n == 0 for b, n, _ in probes if not b)
         if name == "exception":
             assert on["raised"] == off["raised"] == "boom in backward"
+
+
+def _train_then_die(folder: str, ckpt: str) -> None:
+    """Rank 1 is killed after the last backward of step 4, with sub-groups read ahead (their
+    count written next to its folder first)."""
+    import signal
+
+    rank = int(os.environ["RANK"])
+    engine = _build(_config(f"{folder}{rank}", {"prefetch_bytes": ALL}))
+    _run(engine, 2)
+    engine.save_checkpoint(ckpt, tag="s2")
+    _run(engine, 1, first=2)
+
+    def die(e: Any, boundary: bool) -> None:
+        if boundary and rank == 1:
+            with open(f"{folder}{rank}.prefetched", "w") as f:
+                f.write(str(_prefetched(e)))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    _run(engine, 1, first=3, probe=die)
+
+
+def _resume(folder: str, ckpt: str) -> dict[str, Any]:
+    import zerohooks
+
+    rank = int(os.environ["RANK"])
+    engine = _build(_config(f"{folder}{rank}", {"prefetch_bytes": ALL}))
+    engine.load_checkpoint(ckpt, tag="s2")
+    losses = _run(engine, 2, first=2)
+    zerohooks.detach(engine)
+    return {"losses": losses}
+
+
+def test_killed_rank_with_read_ahead_then_resume(tmp_path: Any, overlap: list[dict[str, Any]]) -> None:
+    """A rank killed while sub-groups were read ahead leaves nothing that a resume from the last
+    checkpoint trusts: the resumed steps equal the uninterrupted run without read-ahead."""
+    from zerohooks.testing import MultiRankError
+
+    folder, ckpt = str(tmp_path / "swap"), str(tmp_path / "ckpt")
+    with pytest.raises(MultiRankError):  # rank 1 died; rank 0 dies with it or fails in gloo
+        run_distributed(_train_then_die, 2, args=(folder, ckpt), timeout=600)
+    with open(f"{folder}1.prefetched") as f:
+        assert int(f.read()) >= 1
+    resumed = run_distributed(_resume, 2, args=(folder, ckpt), timeout=600)
+    for r, ref in zip(resumed, overlap, strict=True):
+        assert r["losses"] == ref["equal"]["off_losses"][4:8]

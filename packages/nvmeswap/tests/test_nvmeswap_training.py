@@ -129,6 +129,8 @@ def test_module_only_load_refreshes_the_swapped_masters(two_ranks: list[dict[str
         assert not all(ck["masters_before_module_only"])  # trained masters: finer than bf16
         assert ck["module_only"] and all(ck["module_only"])  # refreshed from the bf16 weights, on disk
         assert all(math.isfinite(v) for v in ck["module_only_losses"])
+        # streamed through the swap buffers: one swapped sub-group in RAM at a time
+        assert ck["module_only_resident"] and max(ck["module_only_resident"]) == 1
 
 
 def test_checkpoint_consolidates_to_fp32(two_ranks: list[dict[str, Any]]) -> None:

@@ -17,12 +17,19 @@ RAM that made swapping necessary.  Instead:
   tensor itself as its data (DeepSpeed's copy into it is then a no-op, and the 16-bit weights are
   restored from it), the moments are the mapped saved tensors torch's ``load_state_dict`` keeps,
   and then, one sub-group at a time, :func:`nvmeswap.swapper.swap_out` copies them into a swap
-  buffer and writes the swap file (new checksum and generation).
+  buffer and writes the swap file (new checksum and generation); the copy done, the pages of
+  the checkpoint that held the sub-group are dropped from the process (:func:`drop_pages`:
+  ``madvise(MADV_DONTNEED)`` on the private mapping; clean file pages, read again from the file
+  if anything touches them), so the mapped pages do not pile up in the process's memory while
+  the sub-groups are written back.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
+import mmap
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +39,51 @@ from nvmeswap import swapper
 from nvmeswap.swapper import SwapState
 from zerohooks.adapter import statestore
 
-__all__ = ["mapped", "resident", "streamed_load", "streamed_save"]
+__all__ = ["drop_pages", "mapped", "resident", "streamed_load", "streamed_refresh", "streamed_save"]
+
+_MADV_DONTNEED = 4
+"""Linux's ``MADV_DONTNEED`` (the same number on every Linux architecture)."""
+_libc: Any = None
+
+
+def file_mappings() -> list[tuple[int, int]]:
+    """The address ranges of this process's file-backed mappings (``/proc/self/maps``)."""
+    out = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith("/"):
+                    lo, hi = fields[0].split("-")
+                    out.append((int(lo, 16), int(hi, 16)))
+    except OSError:
+        pass
+    return out
+
+
+def _inside(t: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
+    """Whether ``t``'s bytes lie in one file-backed mapping (only such pages may be dropped:
+    dropping anonymous memory would zero it)."""
+    lo = t.data_ptr()
+    hi = lo + t.numel() * t.element_size()
+    return t.numel() > 0 and any(a <= lo and hi <= b for a, b in ranges)
+
+
+def drop_pages(t: torch.Tensor) -> int:
+    """Drop from the process the whole pages inside ``t``'s bytes, which must be a view of a
+    read-only private file mapping (a checkpoint loaded with ``mmap=True``): they are clean file
+    pages, read again from the file if touched later, so nothing is lost.  Returns the bytes
+    dropped (0 where ``madvise`` is not available)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    page = mmap.PAGESIZE
+    start = -(-t.data_ptr() // page) * page
+    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    if end <= start or _libc.madvise(ctypes.c_void_p(start), end - start, _MADV_DONTNEED) != 0:
+        return 0
+    return end - start
 
 
 def ensure_slots(state: SwapState) -> None:
@@ -67,6 +118,35 @@ def resident(state: SwapState, original: Callable[..., Any]) -> Callable[..., An
                 swapper.swap_out(state, i)
             trim_slots(state)
             state.depth -= 1
+
+    return run
+
+
+def streamed_refresh(state: SwapState, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` (DeepSpeed's refresh of every fp32 master from the 16-bit weights: a
+    module-only load, ``refresh_fp32_params``) done one swapped sub-group at a time through the
+    swap buffers (read, refreshed, written back), never with the whole state in RAM; with the
+    masters kept in RAM, or inside :func:`resident`, DeepSpeed's own."""
+
+    @functools.wraps(original)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if state.depth or state.keep_master:
+            return original(*args, **kwargs)
+        if state.resident:
+            raise RuntimeError(
+                f"nvmeswap: fp32 masters refreshed while sub-groups {sorted(state.resident)} are stepped"
+            )
+        opt = state.optimizer
+        for i in range(len(statestore.sub_group_numels(opt))):
+            if i not in state.groups:
+                statestore.master_from_bit16(opt, i)
+                continue
+            swapper.swap_in(state, i)  # reads the next sub-group ahead meanwhile
+            try:
+                statestore.master_from_bit16(opt, i)
+            finally:
+                swapper.swap_out(state, i)
+        return None
 
     return run
 
@@ -154,8 +234,21 @@ def streamed_load(state: SwapState, engine: Any, original: Callable[..., Any]) -
                 statestore.set_master(state.groups[i].master, saved[i].data)
         try:
             out = rigid(state_dict, load_optimizer_states)
+            files = file_mappings()
             for i in state.order:  # each sub-group through a swap buffer to its file
-                swapper.swap_out(state, i)
+                g = state.groups[i]
+                # the moments loaded (g.keys is not known yet on an engine that never stepped)
+                loaded = opt.optimizer.state.get(g.master, {})
+                # (``.data``: aliases of the mapped storage, which swap_out empties the tensors of)
+                held = [
+                    v.data for v in loaded.values() if isinstance(v, torch.Tensor) and v.numel() == g.numel
+                ]
+                if not state.keep_master:
+                    held.append(g.master.data)
+                mapped_views = [t for t in held if _inside(t, files)]
+                swapper.swap_out(state, i)  # copied into the buffer: the mapped pages are done
+                for t in mapped_views:
+                    state.pages_dropped += drop_pages(t)
             swapper.flush(state)
             _own_the_rest(opt)
             return out

@@ -255,7 +255,7 @@ def _install(att: Any, opt: Any, state: SwapState, fuse: bool) -> None:
 def _install_checkpoint(att: Any, opt: Any, state: SwapState) -> None:
     """Checkpoints in DeepSpeed's CPU-offload format, streamed from and to the swap files
     (:mod:`nvmeswap.checkpoint`); refreshing the masters from the 16-bit weights (a module-only
-    load) makes the state resident meanwhile."""
+    load) goes through the swap buffers one sub-group at a time."""
     engine = att.engine
     seams.read_checkpoints_mapped(att)  # the optimizer file (12 bytes a parameter) is mapped, not read
     # load_checkpoint(load_module_only=True / load_optimizer_states=False) refreshes the fp32
@@ -264,5 +264,5 @@ def _install_checkpoint(att: Any, opt: Any, state: SwapState) -> None:
         att,
         save=lambda f: checkpoint.streamed_save(state, f),
         load=lambda f: checkpoint.streamed_load(state, engine, f),
-        refresh_masters=lambda f: checkpoint.resident(state, f),
+        refresh_masters=lambda f: checkpoint.streamed_refresh(state, f),
     )

@@ -100,6 +100,7 @@ class SwapState:
         "optimizer",
         "order",
         "overrides",
+        "pages_dropped",
         "pending_grads",
         "pool",
         "prefetch_hits",
@@ -164,6 +165,8 @@ class SwapState:
         """Sub-groups read ahead during backward, holding a buffer until their step (not resident)."""
         self.prefetch_hits = 0
         """Sub-groups the step found read ahead (counted when swapped in)."""
+        self.pages_dropped = 0
+        """Bytes of mapped checkpoint pages dropped after their sub-group was written back."""
         self.overrides: dict[int, torch.Tensor] = {}
         """sub-group -> fp32 gradient written through DeepSpeed's set-gradient APIs."""
         self.grad_partitions: dict[int, torch.Tensor] = statestore.gradient_partitions(optimizer)

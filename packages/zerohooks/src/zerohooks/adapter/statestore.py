@@ -91,6 +91,13 @@ def set_master(tensor: torch.Tensor, value: torch.Tensor) -> None:
     tensor.data = value
 
 
+def master_from_bit16(opt: Any, sub_group: int) -> None:
+    """Refresh sub-group ``sub_group``'s fp32 master from its 16-bit partition, in place (what
+    DeepSpeed's ``_restore_from_bit16_weights`` does to every sub-group: the plugin calls it for
+    one sub-group at a time, with the master in RAM)."""
+    master(opt, sub_group).data.copy_(opt.fp16_partitioned_groups_flat[sub_group].data)
+
+
 def set_master_grad(tensor: torch.Tensor, grad: torch.Tensor | None) -> None:
     """Give the fp32 master ``tensor`` the fp32 gradient DeepSpeed's step reads (None: none)."""
     tensor.grad = grad
