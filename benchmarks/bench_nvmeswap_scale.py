@@ -1,8 +1,9 @@
 """nvmeswap at the size it exists for: a ~2 B-parameter GPT whose fp32 optimizer state (12 bytes a
 parameter, 24 GB) does not fit in this machine's RAM, trained with ZeRO 3 + bf16 on one rank.
 
-    python benchmarks/bench_nvmeswap_scale.py [--small] [--runs nvmeswap,nvmeswap_unfused,deepspeed_nvme,deepspeed_cpu]
-        [--steps 6] [--folder /work/scratch/nvmeswap_scale] [--mem-limit-gib 14] [--no-resume]
+    python benchmarks/bench_nvmeswap_scale.py [--small]
+        [--runs nvmeswap,nvmeswap_overlap,nvmeswap_unfused,deepspeed_nvme,deepspeed_cpu] [--steps 6]
+        [--folder /work/scratch/nvmeswap_scale] [--mem-limit-gib 14] [--prefetch-gib 0.7] [--no-resume]
 
 Each run is its own process (one gloo rank), started inside a memory cgroup limited to
 ``--mem-limit-gib`` when the cgroup-v1 memory controller is writable (so a run that needs more is
@@ -14,18 +15,24 @@ every process of the run together) and the process's ``VmHWM`` are reported.
   whole model ever exists in RAM.  One fixed batch of random tokens (``--micro-batch`` x ``--seq``)
   every step, so the loss must fall (the model memorises it); torch's AdamW (``torch_adam``) in
   every run, lr 1e-4.
-* Runs: ``nvmeswap`` (defaults: fused Adam step, master + 2 moments on disk), ``nvmeswap_unfused``
+* Runs: ``nvmeswap`` (defaults: fused Adam step, master + 2 moments on disk), ``nvmeswap_overlap``
+  (the same with ``prefetch_bytes`` = ``--prefetch-gib``: state read ahead during backward, and its
+  last writes left to drain during the next forward), ``nvmeswap_unfused``
   (``fused_adam: false``), ``deepspeed_nvme`` (DeepSpeed's ``offload_optimizer: nvme``, its libaio
   swapper; needs ``libaio-dev`` and builds its ``async_io`` op), ``deepspeed_cpu``
   (``offload_optimizer: cpu``: its need is computed and it is run under the limit to show how it
   fails).
 * Per step: forward+backward time, ``engine.step()`` time (for nvmeswap up to its last write
-  landing: no credit for overlapping it with the next forward pass), time blocked on the disk inside the
-  step (nvmeswap's I/O waits; not measured for DeepSpeed), ``/proc/self/io`` read/write bytes
+  landing: no credit for overlapping it with the next forward pass; for ``nvmeswap_overlap`` up to
+  the step's return, its last writes draining in the next step), time blocked on the disk inside the
+  step (nvmeswap's I/O waits; not measured for DeepSpeed), the time the swap folder's block
+  device was busy (``io_ticks`` of ``/sys/dev/block/<dev>/stat``, every process's I/O; none on
+  tmpfs), ``/proc/self/io`` read/write bytes
   divided by the parameter count, loss.  Step time = median over the steps after ``--warmup``.
 * Disk bound: ``fio`` (O_DIRECT, the swappers' 1 MiB requests, iodepth 8) writing then reading a
   ``--fio-size`` file in the same folder, in the same run; the optimizer phase's bound is bytes
-  moved / fio rate.
+  moved / fio rate, and each step is compared with max(forward+backward, bytes read / fio read
+  rate, bytes written / fio write rate), what a fully overlapped step cannot beat.
 * Resume (nvmeswap): steps 1-2, ``save_checkpoint`` into the same folder (time and bytes written),
   a new process loads it and runs steps 3-4: losses and a weight checksum must equal the
   uninterrupted run's bit for bit.
@@ -50,7 +57,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(__file__).resolve().parent / "out"
-RUNS = ("nvmeswap", "nvmeswap_unfused", "deepspeed_nvme", "deepspeed_cpu")
+RUNS = ("nvmeswap", "nvmeswap_overlap", "nvmeswap_unfused", "deepspeed_nvme", "deepspeed_cpu")
 GIB = 1 << 30
 
 
@@ -125,7 +132,21 @@ def _config(run: str, folder: str, a: argparse.Namespace) -> dict[str, Any]:
         cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = folder
     if run.startswith("nvmeswap"):
         cfg["nvmeswap"] = {"fused_adam": False} if run == "nvmeswap_unfused" else {}
+    if run == "nvmeswap_overlap":
+        cfg["nvmeswap"]["prefetch_bytes"] = int(a.prefetch_gib * GIB)
     return cfg
+
+
+def _disk_busy_ms(folder: str) -> int | None:
+    """Milliseconds the block device holding ``folder`` has been busy (``io_ticks`` of its
+    ``/sys/dev/block/<major>:<minor>/stat``: time with at least one request in flight, every
+    process's); None where the folder is on no block device (tmpfs, overlay)."""
+    st = os.stat(folder)
+    try:
+        fields = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat").read_text().split()
+        return int(fields[9])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 # -- one run, in its own process -------------------------------------------------------------------
@@ -201,20 +222,25 @@ def child(a: argparse.Namespace) -> None:
         engine.load_checkpoint(os.path.join(a.folder, "ckpt"))
         out["load_s"] = time.perf_counter() - t0
         first, last = 3, 4
+    overlap = run == "nvmeswap_overlap"
     for s in range(first, last + 1):
         r0, w0 = _proc_io()
         wait0 = state.io_wait if state is not None else 0.0
+        busy0 = _disk_busy_ms(folder)
         t0 = time.perf_counter()
         loss = engine(tokens)
         engine.backward(loss)
         t1 = time.perf_counter()
         engine.step()
-        if state is not None:  # its last writes: counted (bytes and time) in this step
+        if state is not None and not overlap:  # its last writes: counted (bytes and time) in this step
             from nvmeswap import swapper
 
             swapper.flush(state)
+        # with the overlap, the last writes drain during the next forward (counted in that step:
+        # in steady state a step's time is the time from one forward to the next)
         t2 = time.perf_counter()
         r1, w1 = _proc_io()
+        busy1 = _disk_busy_ms(folder)
         rec = {
             "step": s,
             "loss": float(loss.detach()),
@@ -222,16 +248,19 @@ def child(a: argparse.Namespace) -> None:
             "opt_s": t2 - t1,
             "step_s": t2 - t0,
             "disk_wait_s": (state.io_wait - wait0) if state is not None else None,
+            "disk_busy_s": (busy1 - busy0) / 1000 if busy0 is not None and busy1 is not None else None,
+            "prefetch_hits": state.prefetch_hits if state is not None else None,
             "read_per_param": (r1 - r0) / numel,
             "write_per_param": (w1 - w0) / numel,
         }
         out["steps"].append(rec)
-        if s == 4 and phase in ("load", "full") and run == "nvmeswap":
+        if s == 4 and phase in ("load", "full") and run in ("nvmeswap", "nvmeswap_overlap"):
             out["weights_sha_step4"] = _weights_checksum(engine)
         print(
             f"[{run}] step {s}: loss {rec['loss']:.4f}  {rec['step_s']:.1f}s (fwd/bwd {rec['fwd_bwd_s']:.1f}s, "
             f"optimizer {rec['opt_s']:.1f}s"
             + (f", disk wait {rec['disk_wait_s']:.1f}s" if state is not None else "")
+            + (f", disk busy {rec['disk_busy_s']:.1f}s" if rec["disk_busy_s"] is not None else "")
             + f")  read {rec['read_per_param']:.2f} B/param, written {rec['write_per_param']:.2f} B/param, "
             f"RSS {_status_kib('VmRSS') / 2**20:.1f} GiB",
             flush=True,
@@ -361,7 +390,7 @@ def _summary(r: dict[str, Any], warmup: int, fio: dict[str, float]) -> dict[str,
         vals = [s[k] for s in steps if s.get(k) is not None]
         return statistics.median(vals) if vals else None
 
-    out: dict[str, Any] = {k: med(k) for k in ("step_s", "fwd_bwd_s", "opt_s", "disk_wait_s")}
+    out: dict[str, Any] = {k: med(k) for k in ("step_s", "fwd_bwd_s", "opt_s", "disk_wait_s", "disk_busy_s")}
     out["read_per_param"] = sum(s["read_per_param"] for s in steps) / len(steps)
     out["write_per_param"] = sum(s["write_per_param"] for s in steps) / len(steps)
     n = r["params"]
@@ -372,6 +401,18 @@ def _summary(r: dict[str, Any], warmup: int, fio: dict[str, float]) -> dict[str,
         bound = out["read_per_param"] * n / fio["read"] + out["write_per_param"] * n / fio["write"]
         out["disk_bound_s"] = bound
         out["opt_vs_bound"] = out["opt_s"] / bound if bound else None
+        # the step against what it cannot beat: forward+backward, or reading (writing) the
+        # state at fio's rate, whichever is longest (the overlap's bound), per step
+        for step in steps:
+            bounds = (
+                step["fwd_bwd_s"],
+                step["read_per_param"] * n / fio["read"],
+                step["write_per_param"] * n / fio["write"],
+            )
+            step["overlap_bound_s"] = max(bounds)
+            step["step_vs_overlap_bound"] = step["step_s"] / max(bounds) if max(bounds) else None
+        out["overlap_bound_s"] = med("overlap_bound_s")
+        out["step_vs_overlap_bound"] = med("step_vs_overlap_bound")
     return out
 
 
@@ -408,9 +449,10 @@ def _markdown(p: dict[str, Any]) -> str:
         f"Model: {p['params'] / 1e9:.3f} B params ({p['model']}), fp32 state {12 * p['params'] / 1e9:.1f} GB; "
         f"fio on {p['folder']}: write {p['fio'].get('write', 0) / 1e9:.2f} GB/s, read {p['fio'].get('read', 0) / 1e9:.2f} GB/s",
         "",
-        "| run | rc | step s | fwd/bwd s | optimizer s | disk wait s | read B/param | written B/param "
-        "| implied read/write GB/s | optimizer / disk bound | peak (cgroup / VmHWM) GiB | losses |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run | rc | step s | fwd/bwd s | optimizer s | disk wait s | disk busy s | read B/param | written B/param "
+        "| implied read/write GB/s | optimizer / disk bound | step / max(fwd+bwd, read, write bound) "
+        "| peak (cgroup / VmHWM) GiB | losses |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(v: Any, fmt: str = ".2f") -> str:
@@ -426,8 +468,9 @@ def _markdown(p: dict[str, Any]) -> str:
         )
         lines.append(
             f"| {r['run']} | {r['rc']} | {f(s.get('step_s'), '.1f')} | {f(s.get('fwd_bwd_s'), '.1f')} | "
-            f"{f(s.get('opt_s'), '.1f')} | {f(s.get('disk_wait_s'), '.1f')} | {f(s.get('read_per_param'))} | "
-            f"{f(s.get('write_per_param'))} | {rates} | {f(s.get('opt_vs_bound'))} | "
+            f"{f(s.get('opt_s'), '.1f')} | {f(s.get('disk_wait_s'), '.1f')} | {f(s.get('disk_busy_s'), '.1f')} | "
+            f"{f(s.get('read_per_param'))} | {f(s.get('write_per_param'))} | {rates} | {f(s.get('opt_vs_bound'))} | "
+            f"{f(s.get('step_vs_overlap_bound'))} ({f(s.get('overlap_bound_s'), '.1f')} s) | "
             f"{f(r.get('cgroup_peak_gib'), '.1f')} / {f(r.get('vm_hwm_gib'), '.1f')} | {losses or r.get('note', '')} |"
         )
     for k, v in p.get("derived", {}).items():
@@ -444,6 +487,20 @@ def _write(payload: dict[str, Any], a: argparse.Namespace, echo: bool = False) -
         )
     if byrun.get("nvmeswap", {}).get("opt_vs_bound"):
         derived["nvmeswap optimizer phase / disk bound"] = round(byrun["nvmeswap"]["opt_vs_bound"], 3)
+    if byrun.get("nvmeswap_overlap", {}).get("step_s"):
+        for other in ("deepspeed_nvme", "nvmeswap"):
+            if byrun.get(other, {}).get("step_s"):
+                derived[f"nvmeswap_overlap step / {other} step"] = round(
+                    byrun["nvmeswap_overlap"]["step_s"] / byrun[other]["step_s"], 3
+                )
+        full = {r["run"]: r for r in payload["runs"]}
+        on, off = full["nvmeswap_overlap"], full.get("nvmeswap")
+        if off is not None and off.get("steps"):
+            k = min(len(on.get("steps", [])), len(off["steps"]))
+            derived["nvmeswap_overlap losses and step-4 weights bit-identical to nvmeswap"] = bool(k) and (
+                [x["loss"] for x in on["steps"][:k]] == [x["loss"] for x in off["steps"][:k]]
+                and on.get("weights_sha_step4") == off.get("weights_sha_step4")
+            )
     if "resume" in payload:
         derived["resume bit-exact"] = payload["resume"]["bit_exact"]
     payload["derived"] = derived
@@ -468,6 +525,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--sub-group", type=int, default=50_000_000)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--prefetch-gib", type=float, default=0.7, help="nvmeswap_overlap's prefetch_bytes, in GiB"
+    )
     ap.add_argument("--runs", default=",".join(RUNS))
     ap.add_argument("--folder", default="/work/scratch/nvmeswap_scale")
     ap.add_argument("--mem-limit-gib", type=float, default=14.0)
@@ -494,7 +554,10 @@ def main() -> None:
         sys.exit(f"unknown runs {bad}; choose from {list(RUNS)}")
     n = param_count(a.layers, a.d_model, a.vocab, a.seq + 1)
     os.makedirs(a.folder, exist_ok=True)
-    need = {"nvmeswap": 12 * n, "nvmeswap_unfused": 12 * n, "deepspeed_nvme": 16 * n, "deepspeed_cpu": 0}
+    need = {
+        "nvmeswap": 12 * n, "nvmeswap_overlap": 12 * n, "nvmeswap_unfused": 12 * n, "deepspeed_nvme": 16 * n,
+        "deepspeed_cpu": 0,
+    }  # fmt: skip
     ckpt = 0 if a.no_resume or "nvmeswap" not in runs else 14 * n + 12 * n
     needed = int(max([need[r] for r in runs] + [ckpt]) * 1.05) + (4 << 30)
     free = _free(a.folder)

@@ -45,9 +45,12 @@ def config(
     return cfg
 
 
-def train(engine: Any, steps: int, gas: int = 2, first: int = 0, before_step: Any = None) -> list[float]:
+def train(
+    engine: Any, steps: int, gas: int = 2, first: int = 0, before_step: Any = None, probe: Any = None
+) -> list[float]:
     """``steps`` optimizer steps of ``gas`` micro-steps; the losses.  ``before_step(engine)`` runs
-    after the last backward of each step, before ``engine.step()``."""
+    after the last backward of each step, before ``engine.step()``; ``probe(engine, boundary)``
+    after every backward."""
     rank = int(os.environ.get("RANK", "0"))
     losses = []
     for s in range(first, first + steps):
@@ -56,6 +59,8 @@ def train(engine: Any, steps: int, gas: int = 2, first: int = 0, before_step: An
             x = torch.randn(4, 600, generator=g).to(next(engine.module.parameters()).dtype)
             loss = (engine(x).float() - x.float()).pow(2).mean()
             engine.backward(loss)
+            if probe is not None:
+                probe(engine, m == gas - 1)
             if m == gas - 1 and before_step is not None:
                 before_step(engine)
             engine.step()

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from _nvme_common import _build, _oracle_config, _state, config, masters, moments, params16
+from _nvme_common import _build, _oracle_config, _state, config, masters, moments, params16, train
 
 from zerohooks.testing import run_distributed
 
@@ -35,21 +35,10 @@ def _config(path: str, section: dict[str, Any], **kw: Any) -> dict[str, Any]:
     return cfg
 
 
-def _run(engine: Any, steps: int, first: int = 0, gas: int = 2, probe: Any = None) -> list[float]:
-    """The batches of ``_nvme_common.train``; ``probe(engine, boundary)`` after each backward."""
-    rank = int(os.environ.get("RANK", "0"))
-    losses = []
-    for s in range(first, first + steps):
-        for m in range(gas):
-            g = torch.Generator().manual_seed(1000 * s + 10 * m + rank)
-            x = torch.randn(4, 600, generator=g).to(next(engine.module.parameters()).dtype)
-            loss = (engine(x).float() - x.float()).pow(2).mean()
-            engine.backward(loss)
-            if probe is not None:
-                probe(engine, m == gas - 1)
-            engine.step()
-            losses.append(float(loss))
-    return losses
+def _run(engine: Any, steps: int, first: int = 0, probe: Any = None) -> list[float]:
+    """``_nvme_common.train``'s batches, two micro-steps a step; ``probe(engine, boundary)`` after
+    each backward."""
+    return train(engine, steps, first=first, probe=probe)
 
 
 def _local(engine: Any) -> list[torch.Tensor]:

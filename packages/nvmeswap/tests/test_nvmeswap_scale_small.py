@@ -40,3 +40,28 @@ def test_small_scale_run_moves_twelve_bytes_per_parameter(tmp_path: Path) -> Non
     losses = [s["loss"] for s in steps]
     assert losses[0] > losses[1] > losses[2]
     assert sorted(os.listdir(folder)) == [], "swap files left behind"
+
+
+@pytest.mark.skipif(not BENCH.exists(), reason="needs the repository's benchmarks/ folder")
+def test_small_scale_overlap_run_is_bit_identical(tmp_path: Path) -> None:
+    """The benchmark's ``nvmeswap_overlap`` run (state read ahead during backward, last writes
+    drained in the next forward) against its ``nvmeswap`` run: the same losses and step-4 weight
+    checksum, sub-groups were read ahead, the same bytes read; the disk's busy time is reported
+    wherever the folder is on a block device."""
+    folder, out = tmp_path / "swap", tmp_path / "result"
+    cmd = [sys.executable, str(BENCH), "--small", "--runs", "nvmeswap,nvmeswap_overlap", "--steps", "4",
+           "--no-resume", "--no-fio", "--prefetch-gib", "0.5", "--folder", str(folder), "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=1200, env=dict(os.environ), check=False
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    payload = json.loads(Path(str(out) + ".json").read_text())
+    off, on = payload["runs"]
+    assert (off["run"], on["run"], off["rc"], on["rc"]) == ("nvmeswap", "nvmeswap_overlap", 0, 0)
+    assert [s["loss"] for s in on["steps"]] == [s["loss"] for s in off["steps"]]
+    assert on["weights_sha_step4"] == off["weights_sha_step4"]
+    assert payload["derived"]["nvmeswap_overlap losses and step-4 weights bit-identical to nvmeswap"] is True
+    assert on["steps"][-1]["prefetch_hits"] >= 1 and off["steps"][-1]["prefetch_hits"] == 0
+    for a, b in zip(on["steps"], off["steps"], strict=True):
+        assert a["read_per_param"] == pytest.approx(b["read_per_param"], abs=0.02)
+        assert "disk_busy_s" in a
