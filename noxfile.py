@@ -362,7 +362,7 @@ def integration(session: nox.Session) -> None:
 
 
 DEEPSPEED_RANGE = ("0.19.8",)
-"""The oldest and newest DeepSpeed releases zerohooks claims (zerohooks._compat.SUPPORTED_DEEPSPEED):
+"""The oldest and newest DeepSpeed releases zerohooks claims (zerohooks.adapter.compat.SUPPORTED_DEEPSPEED):
 0.19.8 only today; 0.19.0-0.19.7 lack DeepSpeed internals the adapter or plugins use
 (zerohooks/tests/test_surface.py names them). Add a release here when the claim widens."""
 RANGE_TESTS = (

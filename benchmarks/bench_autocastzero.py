@@ -77,6 +77,26 @@ def _live_tensor_bytes() -> int:
     return total
 
 
+def _timed_step(engine: Any, x: Any, y: Any, cuda: bool, barrier: bool = False) -> tuple[Any, float]:
+    """One optimizer step of ``engine`` on the batch ``(x, y)`` and its wall time in seconds (the
+    GPU synchronised before and after; ``barrier``: the ranks start it together)."""
+    import torch
+    import torch.distributed as dist
+
+    x, y = x.to(engine.device), y.to(engine.device)
+    if cuda:
+        torch.cuda.synchronize()
+    if barrier:
+        dist.barrier()
+    t0 = time.perf_counter()
+    loss = engine(x, y)
+    engine.backward(loss)
+    engine.step()
+    if cuda:
+        torch.cuda.synchronize()
+    return loss, time.perf_counter() - t0
+
+
 def _run_case(
     case: str, stage: int, steps: int, warmup: int, micro_batch: int, model_kw: dict[str, int]
 ) -> Any:
@@ -106,16 +126,8 @@ def _run_case(
     losses, times = [], []
     for _ in range(steps):
         x, y = sampler.next()
-        x, y = x.to(engine.device), y.to(engine.device)
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        loss, seconds = _timed_step(engine, x, y, cuda)
+        times.append(seconds)
         t = loss.detach().float().clone()
         dist.all_reduce(t)
         losses.append(float(t) / world)
@@ -168,18 +180,7 @@ def _run_interleaved(stage: int, steps: int, warmup: int, micro_batch: int, mode
         x, y = sampler.next()
         order = INTERLEAVED if i % 2 == 0 else tuple(reversed(INTERLEAVED))
         for case in order:
-            engine = engines[case]
-            xs, ys = x.to(engine.device), y.to(engine.device)
-            if cuda:
-                torch.cuda.synchronize()
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = engine(xs, ys)
-            engine.backward(loss)
-            engine.step()
-            if cuda:
-                torch.cuda.synchronize()
-            times[case].append(time.perf_counter() - t0)
+            times[case].append(_timed_step(engines[case], x, y, cuda, barrier=True)[1])
     return {"stage": stage, "times": {c: t[warmup:] for c, t in times.items()}}
 
 

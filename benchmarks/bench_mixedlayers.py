@@ -90,16 +90,11 @@ def _overflow_run(variant: str, stage: int, steps: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     import zerohooks
+    from zerohooks.testing.toy import ds_config
 
     rank = dist.get_rank()
     model = _overflow_model(0)
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": 8,
-        "gradient_accumulation_steps": 1,
-        "steps_per_print": 10**9,
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
-        "zero_optimization": {"stage": stage},
-    }
+    cfg = ds_config(stage, gas=1, lr=3e-3, train_micro_batch_size_per_gpu=8)
     if variant != "fp32":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 100}
     if variant == "fp16+mixedlayers":
@@ -145,6 +140,7 @@ def _overhead(steps: int, rounds: int, dtype_name: str, micro_batch: int, size: 
     from gpt import GPT, GPTConfig
 
     import zerohooks
+    from zerohooks.testing.toy import ds_config
 
     cuda = torch.cuda.is_available() and os.environ.get("BENCH_DEVICE") == "cuda"
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
@@ -159,14 +155,9 @@ def _overhead(steps: int, rounds: int, dtype_name: str, micro_batch: int, size: 
     for name in names:
         torch.manual_seed(1234)
         model = GPT(gcfg)
-        cfg: dict[str, Any] = {
-            "train_micro_batch_size_per_gpu": micro_batch,
-            "gradient_accumulation_steps": 1,
-            "steps_per_print": 10**9,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-            "zero_optimization": {"stage": 2},
-            dtype_name: {"enabled": True},
-        }
+        cfg = ds_config(
+            2, gas=1, lr=1e-4, train_micro_batch_size_per_gpu=micro_batch, **{dtype_name: {"enabled": True}}
+        )
         if name == "mixedlayers":
             cfg["mixedlayers"] = section
         engines[name], *_ = zerohooks.initialize(model=model, model_parameters=model.parameters(), config=cfg)

@@ -38,7 +38,7 @@ def on_gpu() -> bool:
 def before_distributed() -> None:
     """On CPU, keep DeepSpeed from JIT-compiling its shared-memory op (inference only) at init."""
     if not on_gpu():
-        from zerohooks._compat import skip_deepspeed_shm_op
+        from zerohooks.adapter.compat import skip_deepspeed_shm_op
 
         skip_deepspeed_shm_op()
 

@@ -110,6 +110,6 @@ def quiet_deepspeed() -> None:
 def skip_shm_build() -> None:
     """Do not JIT-build DeepSpeed's shared-memory comm op on CPU (about a minute of C++; only
     DeepSpeed's inference all-reduce uses it)."""
-    from zerohooks._compat import skip_deepspeed_shm_op
+    from zerohooks.adapter.compat import skip_deepspeed_shm_op
 
     skip_deepspeed_shm_op()

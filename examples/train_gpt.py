@@ -208,7 +208,7 @@ def list_runs(args: argparse.Namespace) -> None:
 
 def fast_bf16(cuda: bool) -> bool:
     """Whether bf16 matrix multiplies run natively here (GPU, or AVX512/AMX CPUs)."""
-    from zerohooks._compat import native_bf16
+    from zerohooks.adapter.compat import native_bf16
 
     return native_bf16(cuda)
 

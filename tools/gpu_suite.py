@@ -330,15 +330,9 @@ class Suite:
         rec = self.pre("pairs", no_gpu)
         if rec:
             end, _ = self.window("pairs")
-            cmd = [
-                py,
-                "benchmarks/bench_gpu_pairs.py",
-                "--out",
-                str(self.logs / "pairs.json"),
-                *tiny,
-                "--profile",
-            ]
-            cmd += ["--stages", "2" if smoke else self.args.stages, "--deadline-at", str(end - 3)]
+            cmd = self.pairs_cmd(
+                py, "pairs", end, *tiny, "--profile", "--stages", "2" if smoke else self.args.stages
+            )
             if not smoke:
                 # H100, 2026-11-26: a run took 25 s (imports, engine build 10 s, first step 2.5 s),
                 # a step 70-180 ms; so 12 timed steps cost little and give each run its spread
@@ -350,20 +344,9 @@ class Suite:
         rec = self.pre("nvme", no_gpu)
         if rec:
             end, _ = self.window("nvme")
-            cmd = [
-                py,
-                "benchmarks/bench_gpu_pairs.py",
-                "--nvme",
-                "--out",
-                str(self.logs / "nvme.json"),
-                *tiny,
-            ]
-            cmd += [
-                "--scratch",
-                str(self.work),
-                "--deadline-at",
-                str(end - 3),
-            ]  # swap files: O_DIRECT, a disk
+            cmd = self.pairs_cmd(
+                py, "nvme", end, "--nvme", *tiny, "--scratch", str(self.work)
+            )  # swap files: O_DIRECT, a disk
             if skip_ds:
                 cmd += ["--skip-ds-nvme", skip_ds]
             if not smoke:
@@ -440,6 +423,12 @@ class Suite:
             )
         else:
             self.finish(rec, "ok", rec["data"]["mode"], t)
+
+    def pairs_cmd(self, py: str, name: str, end: float, *args: str) -> list[str]:
+        """A ``bench_gpu_pairs.py`` run writing ``<logs>/<name>.json`` and starting no run
+        after 3 s before ``end``, with ``args``."""
+        out = str(self.logs / f"{name}.json")
+        return [py, "benchmarks/bench_gpu_pairs.py", "--out", out, "--deadline-at", str(end - 3), *args]
 
     def bench(self, rec: dict[str, Any], cmd: list[str]) -> None:
         """pairs and nvme: ok only when every planned run ran and none failed."""

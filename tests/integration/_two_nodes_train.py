@@ -84,14 +84,9 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _config(loco: dict[str, Any] | None) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": BATCH,
-        "gradient_accumulation_steps": 1,
-        "steps_per_print": 10**9,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-        "zero_optimization": {"stage": 0},
-        "communication_data_type": "bf16",
-    }
+    from zerohooks.testing.toy import ds_config
+
+    cfg = ds_config(0, gas=1, lr=1e-3, train_micro_batch_size_per_gpu=BATCH, communication_data_type="bf16")
     if loco is not None:
         cfg["loco"] = loco
     return cfg

@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _scripts import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,26 +21,8 @@ def _total(step: dict[str, dict[str, int]]) -> int:
 @pytest.mark.multirank
 def test_demo_trains_and_reports(tmp_path: Path) -> None:
     out = tmp_path / "report"
-    cmd = [
-        sys.executable,
-        str(ROOT / "examples" / "train_gpt.py"),
-        "--steps",
-        "30",
-        "--eval-every",
-        "15",
-        "--layers",
-        "2",
-        "--stage",
-        "2",
-        "--dtype",
-        "bf16",
-        "--runs",
-        "baseline,loco",
-        "--out",
-        str(out),
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    args = ["--steps", "30", "--eval-every", "15", "--layers", "2", "--stage", "2", "--dtype", "bf16"]
+    r = run_script("examples/train_gpt.py", *args, "--runs", "baseline,loco", "--out", str(out), timeout=900)
     for name in ("loss.png", "comm_bytes.png", "report.md"):
         assert (out / name).stat().st_size > 0, name
     data = json.loads((out / "results.json").read_text())
@@ -76,7 +57,7 @@ def test_demo_trains_and_reports(tmp_path: Path) -> None:
     assert "wire vs baseline" in report and "sent on the wire" in report
     # the report names the command that ran and the wall time of that command
     (command,) = re.findall(r"^Command: `(.*)`", report, flags=re.M)
-    assert shlex.split(command) == cmd, command
+    assert shlex.split(command) == r.args, command
     (wall,) = re.findall(r"Wall time of this command, from its start to its exit: ([\d.]+) s", report)
     assert data["meta"]["wall_time_final"] is True
     assert float(wall) == data["meta"]["wall_time_s"]

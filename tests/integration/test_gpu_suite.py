@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_multirank  # noqa: E402
 import suite_plan  # noqa: E402
 from _procs import run_group  # noqa: E402
+from _scripts import run_script  # noqa: E402
 
 TOP_FILES = {"results.json", "results.md", "logs.tgz", "console.log"}
 WORDS = {
@@ -297,17 +298,10 @@ def test_pairs_report_spread_and_where_the_time_differs(tmp_path: Path) -> None:
     each side (after the timed ones) gives the ops whose time differs most: on a tiny CPU run,
     accumdtype's fp32 accumulation against DeepSpeed's, each op's time within the step's total."""
     out = tmp_path / "pairs.json"
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "bench_gpu_pairs.py"),
-        "--tiny",
-        "--cpu",
-        "--stages",
-        "2",
-    ]
-    cmd += ["--pairs", "accumdtype", "--rounds", "1", "--steps", "3", "--warmup", "1", "--profile"]
-    proc = subprocess.run([*cmd, "--out", str(out)], timeout=240, capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    args = ["--tiny", "--cpu", "--stages", "2", "--pairs", "accumdtype", "--rounds", "1", "--steps", "3"]
+    run_script(
+        "benchmarks/bench_gpu_pairs.py", *args, "--warmup", "1", "--profile", "--out", str(out), timeout=240
+    )
     data = json.loads(out.read_text())
     runs = {r["run"]: r for r in data["results"]}
     assert set(runs) == {"accumdtype", "ds-accum-fp32"}

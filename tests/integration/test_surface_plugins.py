@@ -3,7 +3,7 @@ installed (the tests(zerohooks) session has zerohooks alone)."""
 
 from __future__ import annotations
 
-from zerohooks import surface
+from zerohooks.adapter import surface
 
 
 def test_every_plugin_declares_known_seams() -> None:

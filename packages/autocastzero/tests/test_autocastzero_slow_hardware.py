@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-import zerohooks._compat
+import zerohooks.adapter.compat
 from autocastzero import plugin
 
 
@@ -19,7 +19,7 @@ def _fresh(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_emulated_bf16_warns_once_with_the_reason_and_the_alternative(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(zerohooks._compat, "native_bf16", lambda cuda=False: False)
+    monkeypatch.setattr(zerohooks.adapter.compat, "native_bf16", lambda cuda=False: False)
     with pytest.warns(RuntimeWarning, match=r"no native bf16.*AVX512-BF16/AMX.*slower than fp32.*fp32"):
         assert plugin.warn_if_slow_here("cpu", torch.bfloat16)
     with warnings.catch_warnings():
@@ -34,7 +34,7 @@ def test_emulated_bf16_warns_once_with_the_reason_and_the_alternative(
 def test_no_warning_where_it_is_not_slow(
     monkeypatch: pytest.MonkeyPatch, native: bool, device: str, dtype: torch.dtype
 ) -> None:
-    monkeypatch.setattr(zerohooks._compat, "native_bf16", lambda cuda=False: native)
+    monkeypatch.setattr(zerohooks.adapter.compat, "native_bf16", lambda cuda=False: native)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not plugin.warn_if_slow_here(device, dtype)

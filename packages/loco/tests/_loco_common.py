@@ -101,7 +101,7 @@ def train_demo_lm(
     demo = load_demo_modules()
     assert demo is not None
     gpt, data = demo
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.manual_seed(seed)
     model = gpt.GPT(gpt.GPTConfig(seq_len=64, n_layer=2, n_head=2, d_model=64))
     cfg: dict[str, Any] = {
@@ -119,16 +119,7 @@ def train_demo_lm(
     engine, *_ = zerohooks.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     corpus = data.ByteCorpus.load(train_bytes=1 << 20, val_bytes=1 << 16)
     sampler = data.BatchSampler(corpus.train, 64, 8, seed, rank)
-    losses = []
-    for _ in range(steps):
-        x, y = sampler.next()
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(float(t) / world)
-    return losses
+    return [toy.mean_loss_step(engine, *sampler.next()) for _ in range(steps)]
 
 
 def group_bound(values: list[torch.Tensor], group: int, chunk: int, qmax: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 
 import zerohooks
 from zerohooks import stepwatch, watchdog
-from zerohooks._compat import skip_deepspeed_shm_op
+from zerohooks.adapter.compat import skip_deepspeed_shm_op
 from zerohooks.errors import CollectiveTimeoutError
 from zerohooks.testing.toy import ds_config, make_model, train
 

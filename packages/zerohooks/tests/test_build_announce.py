@@ -13,8 +13,9 @@ import pytest
 import torch.distributed as dist
 
 import zerohooks
-from zerohooks import _compat, jit
 from zerohooks import build as zbuild
+from zerohooks import jit
+from zerohooks.adapter import compat as _compat
 from zerohooks.testing import run_distributed
 
 

@@ -11,7 +11,7 @@ import pydantic
 import pytest
 
 from zerohooks import ConfigError, PluginConfig, PluginNotInstalledError, ZeroPlugin, available_plugins
-from zerohooks._compat import check_deepspeed_version
+from zerohooks.adapter.compat import check_deepspeed_version
 from zerohooks.config import load_config, split_plugin_sections
 from zerohooks.errors import UnsupportedDeepSpeedError
 from zerohooks.strict import StrList

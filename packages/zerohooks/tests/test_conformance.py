@@ -618,7 +618,7 @@ def test_adapter_stays_out_of_the_way_without_plugins() -> None:
     losses); with a plugin it is an error naming the internal."""
     from zerohooks import DeepSpeedInternalMissing
     from zerohooks.adapter import base
-    from zerohooks.initialize import _engine_context, setup_context
+    from zerohooks.adapter.initialize import _engine_context, setup_context
     from zerohooks.testing.recording import RecordingPlugin
     from zerohooks.testing.toy import ds_config, train
 

@@ -18,7 +18,8 @@ import torch
 
 import zerohooks
 from zerohooks import ConfigError
-from zerohooks.dsconfig import check_zero_optimizer, setup_context
+from zerohooks.adapter.dsrules import check_zero_optimizer
+from zerohooks.dsconfig import setup_context
 from zerohooks.testing import run_distributed
 from zerohooks.testing.recording import RecordingPlugin
 from zerohooks.testing.toy import ds_config, make_model

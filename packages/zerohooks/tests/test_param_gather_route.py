@@ -1,5 +1,6 @@
 """The parameter-gather owner: DeepSpeed's backend all-gather goes to the owner on the routed
-groups only, newest route first, and is DeepSpeed's own again once the routes are removed."""
+groups only, newest route first, and is DeepSpeed's own again once the routes are removed (by
+``zerohooks.detach`` for an engine's routes); the seam ``parameter_gather`` declares it."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from zerohooks import ParameterGatherer
-from zerohooks.adapter import gather
+from zerohooks import ParameterGatherer, PluginConfig, ZeroPlugin
+from zerohooks.adapter import gather, surface
+from zerohooks.hookspec import SetupContext
 from zerohooks.registry import HookRegistry, OwnerConflictError
 from zerohooks.testing import distributed
 
@@ -112,3 +114,61 @@ def test_finish_steps_run_in_issue_order_whatever_the_wait_order() -> None:
     for k, out in enumerate(outs):
         assert torch.equal(out, torch.tensor([10.0 * k, 10.0 * k, 10.0 * k + 1, 10.0 * k + 1])), (k, out)
     assert torch.equal(sync, torch.tensor([7.0, 7.0, 8.0, 8.0]))
+
+
+class _GatherProbe(ZeroPlugin):
+    """Owns the parameter all-gather of its engine (a :class:`_Recording` gatherer)."""
+
+    name = "zh_gather_probe"
+
+    def __init__(self) -> None:
+        super().__init__(PluginConfig())
+        self.gatherer = _Recording()
+
+    @override
+    def attach(self, registry: HookRegistry, ctx: SetupContext) -> None:
+        registry.register_gatherer(self.gatherer, name=self.name)
+
+
+def test_the_backend_all_gather_is_declared_by_the_parameter_gather_seam() -> None:
+    declared = [i for i in surface.SEAMS["parameter_gather"] if i.name == "all_gather_into_tensor"]
+    assert [(i.owner, i.how) for i in declared] == [(surface.BACKEND, "replace")]
+
+
+@pytest.mark.multirank
+@distributed(world_size=2, timeout=180)
+def test_detach_gives_the_backend_its_all_gather_back() -> None:
+    """The shadow on DeepSpeed's communication backend lives exactly as long as the attachment:
+    an engine whose plugin owns the all-gather routes ZeRO 3's gathers through it, and
+    ``zerohooks.detach`` leaves the backend (instance and class) as DeepSpeed made it; the plain
+    DeepSpeed engine built afterwards trains to the same losses as one built before (the oracle)."""
+    import deepspeed
+    from deepspeed.comm import comm as ds_comm
+
+    import zerohooks
+    from zerohooks.testing.toy import ds_config, make_model, train
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    cls_method = type(ds_comm.cdb).__dict__["all_gather_into_tensor"]
+    assert "all_gather_into_tensor" not in vars(ds_comm.cdb)
+    model = make_model()
+    plain, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(3))
+    before = train(plain, steps=2, gas=1)
+
+    probe = _GatherProbe()
+    model = make_model()
+    engine, *_ = zerohooks.initialize(
+        model=model, model_parameters=model.parameters(), config=ds_config(3), plugins=[probe]
+    )
+    assert "all_gather_into_tensor" in vars(ds_comm.cdb)  # shadowed on the instance while attached
+    train(engine, steps=1, gas=1)
+    assert probe.gatherer.served, "ZeRO 3's all-gathers did not reach the owner"
+    zerohooks.detach(engine)
+    assert "all_gather_into_tensor" not in vars(ds_comm.cdb)
+    assert type(ds_comm.cdb).__dict__["all_gather_into_tensor"] is cls_method  # the class never changed
+    served = len(probe.gatherer.served)
+
+    model = make_model()
+    again, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(3))
+    assert train(again, steps=2, gas=1) == before
+    assert len(probe.gatherer.served) == served  # nothing reached the detached owner

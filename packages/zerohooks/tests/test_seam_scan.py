@@ -1,7 +1,7 @@
 """The seam is the only door into DeepSpeed, read from the code (ast), not from a list kept by hand.
 
 * The adapter (``zerohooks/adapter``) uses no DeepSpeed attribute that no seam declares
-  (:data:`zerohooks.surface.SEAMS`): every attribute access or assignment, every name given to
+  (:data:`zerohooks.adapter.surface.SEAMS`): every attribute access or assignment, every name given to
   ``getattr``/``setattr``/``hasattr``/``require_attr``/``patch`` and every name-mangled name is
   checked against the names DeepSpeed's engine, ZeRO optimizers, communication backend,
   checkpoint engine and parameters define (read from DeepSpeed's own classes and source).
@@ -17,11 +17,12 @@ import functools
 import inspect
 import pathlib
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
 
-from zerohooks import surface
+from zerohooks.adapter import surface
 
 _PACKAGES = pathlib.Path(__file__).resolve().parents[2]
 _ADAPTER = _PACKAGES / "zerohooks" / "src" / "zerohooks" / "adapter"
@@ -133,12 +134,15 @@ def _undeclared(path: pathlib.Path) -> list[str]:
         and not (name.startswith("__") and name.endswith("__"))
         and name not in declared
         and name not in _NOT_DEEPSPEEDS
+        and name != surface.ZERO3_PRIVATE  # the mangling prefix itself (surface.py)
     ]
 
 
 @pytest.mark.parametrize("path", sorted(_ADAPTER.glob("*.py")), ids=lambda p: p.name)
 def test_the_adapter_uses_only_declared_deepspeed_names(path: pathlib.Path) -> None:
-    assert _undeclared(path) == [], "declare these DeepSpeed names in a seam of zerohooks.surface.SEAMS"
+    assert _undeclared(path) == [], (
+        "declare these DeepSpeed names in a seam of zerohooks.adapter.surface.SEAMS"
+    )
 
 
 def test_the_scan_finds_an_undeclared_name(tmp_path: pathlib.Path) -> None:
@@ -221,21 +225,28 @@ def _internals() -> frozenset[str]:
     return frozenset(out - _PUBLIC)
 
 
+def _deepspeed_imports(node: ast.AST) -> list[tuple[str, str | None]]:
+    """(module, name) of each DeepSpeed import in ``node`` (name None for ``import m``)."""
+    if isinstance(node, ast.Import):
+        found: list[tuple[str, str | None]] = [(a.name, None) for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        found = [(node.module or "", a.name) for a in node.names]
+    else:
+        return []
+    return [(m, n) for m, n in found if m.split(".")[0] == "deepspeed"]
+
+
 def _plugin_problems(path: pathlib.Path) -> list[str]:
     tree = ast.parse(path.read_text(), str(path))
     internals = _internals()
     out: list[str] = []
     for node in ast.walk(tree):
         line = getattr(node, "lineno", 0)
-        if isinstance(node, ast.Import):
-            mods = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            mods = [node.module or ""]
-        else:
-            mods = []
-        for m in mods:
-            if m.split(".")[0] == "deepspeed" and m != "deepspeed.accelerator":
-                out.append(f"{line}: imports {m}")
+        out += [
+            f"{line}: imports {m}"
+            for m in sorted({m for m, _ in _deepspeed_imports(node)})
+            if m != "deepspeed.accelerator"
+        ]
         if isinstance(node, ast.Call):
             fn = node.func
             if isinstance(fn, ast.Attribute) and fn.attr == "patch":
@@ -272,20 +283,33 @@ def _plugin_files() -> list[pathlib.Path]:
     return sorted(f for pkg in _PLUGINS for f in (_PACKAGES / pkg / "src").rglob("*.py"))
 
 
+def _offenders(files: list[pathlib.Path], scan: Callable[[pathlib.Path], list[str]]) -> dict[str, list[str]]:
+    """``{"<folder>/<file>": problems}`` for each file ``scan`` finds problems in."""
+    found = {}
+    for f in files:
+        problems = scan(f)
+        if problems:
+            found[f"{f.parent.name}/{f.name}"] = problems
+    return found
+
+
+def _probe(tmp_path: pathlib.Path, code: str, scan: Callable[[pathlib.Path], list[str]]) -> list[str]:
+    """What ``scan`` finds in a probe file holding ``code`` (the kinds, without line numbers), sorted."""
+    f = tmp_path / "probe.py"
+    f.write_text(code)
+    return sorted(entry.split(": ", 1)[1] for entry in scan(f))
+
+
 def test_plugins_touch_deepspeed_only_through_the_seams() -> None:
     """No plugin file is exempt: nvmeswap's optimizer-state store is the adapter's
     (``zerohooks.adapter.statestore``, issue #36) like every other seam."""
-    found = {}
-    for f in _plugin_files():
-        problems = _plugin_problems(f)
-        if problems:
-            found[f"{f.parent.name}/{f.name}"] = problems
+    found = _offenders(_plugin_files(), _plugin_problems)
     assert found == {}, "plugins must go through zerohooks' seams (zerohooks.adapter), not DeepSpeed itself"
 
 
 def test_the_plugin_scan_finds_each_kind(tmp_path: pathlib.Path) -> None:
-    f = tmp_path / "probe.py"
-    f.write_text(
+    kinds = _probe(
+        tmp_path,
         "import deepspeed.runtime.zero.stage3\n"
         "from deepspeed.accelerator import get_accelerator\n"  # allowed
         "def f(att, engine, opt, p, g, state):\n"
@@ -295,10 +319,10 @@ def test_the_plugin_scan_finds_each_kind(tmp_path: pathlib.Path) -> None:
         "    p.ds_tensor.data = None\n"
         "    state.engine = engine\n"  # allowed: our own state object
         "    setattr(state.optimizer, 'overflow', True)\n"
-        "    return opt.fp32_partitioned_groups_flat, '_DeepSpeedZeroOptimizer_Stage3__x'\n"
+        "    return opt.fp32_partitioned_groups_flat, '_DeepSpeedZeroOptimizer_Stage3__x'\n",
+        _plugin_problems,
     )
-    kinds = [entry.split(": ", 1)[1] for entry in _plugin_problems(f)]
-    assert sorted(kinds) == sorted(
+    assert kinds == sorted(
         [
             "imports deepspeed.runtime.zero.stage3",
             "calls patch",
@@ -309,5 +333,104 @@ def test_the_plugin_scan_finds_each_kind(tmp_path: pathlib.Path) -> None:
             "setattr on state.optimizer",
             "names fp32_partitioned_groups_flat",
             "names _DeepSpeedZeroOptimizer_Stage3__x",
+        ]
+    )
+
+
+# -- the core (zerohooks outside the adapter) -------------------------------------------------------
+_CORE = _ADAPTER.parent
+_DS_PUBLIC = frozenset({"initialize", "init_distributed", "zero", "__version__", "accelerator"})
+"""DeepSpeed's public API the core may use as ``deepspeed.<name>`` (the test harness's process
+groups and toy model: ``init_distributed``, ``zero.GatheredParameters``, the accelerator)."""
+_DS_PUBLIC_FROM = {
+    "deepspeed.accelerator": None,  # any name: the accelerator API
+    "deepspeed.accelerator.cpu_accelerator": None,
+    "deepspeed.utils": frozenset({"safe_get_full_fp32_param", "safe_get_full_grad"}),
+}
+"""Modules of DeepSpeed's public API the core may import from (None: any name)."""
+
+
+_DS_MODULE_PATH = r"\bdeepspeed[./](runtime|ops|comm|module_inject)\b"
+"""A DeepSpeed module path in a string (``"deepspeed.runtime.config"``, ``"/deepspeed/comm/"``)."""
+
+
+def _core_problems(path: pathlib.Path) -> list[str]:
+    """Where a core file names a DeepSpeed internal: imports a DeepSpeed module (or name) that is
+    not public API, uses ``deepspeed.<x>`` beyond it, names a ZeRO or private engine attribute a
+    seam declares, or holds a DeepSpeed module path or a name-mangled ZeRO name in a string."""
+    tree = ast.parse(path.read_text(), str(path))
+    internals, out = _internals(), []
+    for node in ast.walk(tree):
+        for module, name in _deepspeed_imports(node):
+            allowed = _DS_PUBLIC_FROM.get(module, frozenset())
+            if name is None and module != "deepspeed" and module not in _DS_PUBLIC_FROM:
+                out.append(f"{node.lineno}: imports {module}")  # type: ignore[attr-defined]
+            elif name is not None and allowed is not None and name not in allowed:
+                out.append(f"{node.lineno}: imports {module}.{name}")  # type: ignore[attr-defined]
+        if isinstance(node, ast.Attribute):
+            if (
+                isinstance(node.value, ast.Name)
+                and node.value.id == "deepspeed"
+                and node.attr not in _DS_PUBLIC
+            ):
+                out.append(f"{node.lineno}: uses deepspeed.{node.attr}")
+            elif node.attr in internals:
+                out.append(f"{node.lineno}: names {node.attr}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            internal = "_DeepSpeedZeroOptimizer" in node.value or re.search(_DS_MODULE_PATH, node.value)
+            if internal and not _is_docstring(tree, node):
+                out.append(f"{node.lineno}: names {node.value[:60]!r}")
+    return out
+
+
+def _is_docstring(tree: ast.AST, const: ast.Constant) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and body[0].value is const:
+                return True
+        if isinstance(node, ast.Expr) and node.value is const:  # an attribute's docstring
+            return True
+    return False
+
+
+def _core_files() -> list[pathlib.Path]:
+    return sorted(f for f in _CORE.rglob("*.py") if _ADAPTER not in f.parents)
+
+
+def test_the_core_names_no_deepspeed_internal() -> None:
+    """Outside ``zerohooks/adapter`` zerohooks uses DeepSpeed's public API at most (issue #36:
+    a DeepSpeed upgrade touches the adapter folder only)."""
+    assert _offenders(_core_files(), _core_problems) == {}, (
+        "move what names DeepSpeed's internals into zerohooks.adapter"
+    )
+
+
+def test_the_core_scan_finds_each_kind(tmp_path: pathlib.Path) -> None:
+    kinds = _probe(
+        tmp_path,
+        '"""Docs may say deepspeed.runtime.zero."""\n'
+        "import deepspeed\n"  # allowed: its public functions
+        "import deepspeed.ops\n"
+        "from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys\n"
+        "from deepspeed.accelerator import get_accelerator\n"  # allowed
+        "from deepspeed.utils import safe_get_full_grad, logger\n"
+        "def f(opt):\n"
+        "    deepspeed.init_distributed('gloo')\n"  # allowed
+        "    deepspeed.ops.__compatible_ops__\n"
+        "    opt.fp32_partitioned_groups_flat\n"
+        "    return ('deepspeed.runtime.constants', '/deepspeed/comm/', '_DeepSpeedZeroOptimizer_Stage3__x')\n",
+        _core_problems,
+    )
+    assert kinds == sorted(
+        [
+            "imports deepspeed.ops",
+            "imports deepspeed.runtime.config_utils.dict_raise_error_on_duplicate_keys",
+            "imports deepspeed.utils.logger",
+            "uses deepspeed.ops",
+            "names fp32_partitioned_groups_flat",
+            "names 'deepspeed.runtime.constants'",
+            "names '/deepspeed/comm/'",
+            "names '_DeepSpeedZeroOptimizer_Stage3__x'",
         ]
     )

@@ -1,4 +1,4 @@
-"""The DeepSpeed surface (zerohooks.surface.SEAMS, SURFACE their union): every name a seam declares
+"""The DeepSpeed surface (zerohooks.adapter.surface.SEAMS, SURFACE their union): every name a seam declares
 exists in the installed DeepSpeed, an engine missing one is refused naming all that are missing,
 and the seams are declared by the adapter (naming no plugin) or by the plugin that owns one."""
 

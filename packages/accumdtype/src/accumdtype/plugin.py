@@ -34,7 +34,7 @@ class AccumDtypePlugin(ZeroPlugin):
         "check_before_save",
         "gradient_partitions",
     )
-    """The adapter seams this plugin uses (:data:`zerohooks.surface.SEAMS`)."""
+    """The adapter seams this plugin uses (:data:`zerohooks.adapter.surface.SEAMS`)."""
     distribution = "zerohooks-accumdtype"
     Config = AccumDtypeConfig
     cfg: AccumDtypeConfig

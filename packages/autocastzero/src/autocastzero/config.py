@@ -96,6 +96,19 @@ def _is_number(value: Any) -> bool:
 _SCALE_RANGE = f"from 2**-24 ({MIN_LOSS_SCALE:g}) to 2**{MAX_SCALE_POWER} ({MAX_LOSS_SCALE:.0f})"
 
 
+def _checked_scale(value: Any, what: str, zero_ok: bool) -> Any:
+    """``value`` if it is a loss scale in :data:`_SCALE_RANGE` (or 0 where ``zero_ok``), else a
+    ``ValueError`` saying it must be ``what`` followed by "a finite ... number" and why not."""
+    if not _is_number(value):
+        raise ValueError(
+            f"must be {what}a finite JSON number {_SCALE_RANGE}, not a JSON {type(value).__name__}"
+        )
+    why = None if zero_ok and value == 0 else _scale_problem(value)
+    if why is not None:
+        raise ValueError(f"must be {what}a finite number {_SCALE_RANGE}: {why}")
+    return value
+
+
 def resolve_class(path: str) -> type[nn.Module]:
     """``"torch.nn.Linear"`` -> the class; ValueError naming the problem otherwise."""
     module_name, _, class_name = path.rpartition(".")
@@ -179,29 +192,12 @@ class AutocastZeroConfig(PluginConfig):
     @pydantic.field_validator("loss_scale", mode="before")
     @classmethod
     def _static_scale(cls, value: Any) -> Any:
-        if not _is_number(value):
-            raise ValueError(
-                f"must be 0 (dynamic loss scaling) or a static scale, a finite JSON number {_SCALE_RANGE}, "
-                f"not a JSON {type(value).__name__}"
-            )
-        why = None if value == 0 else _scale_problem(value)
-        if why is not None:
-            raise ValueError(
-                f"must be 0 (dynamic loss scaling) or a static scale, a finite number {_SCALE_RANGE}: {why}"
-            )
-        return value
+        return _checked_scale(value, "0 (dynamic loss scaling) or a static scale, ", zero_ok=True)
 
     @pydantic.field_validator("min_loss_scale", mode="before")
     @classmethod
     def _floor(cls, value: Any) -> Any:
-        if not _is_number(value):
-            raise ValueError(
-                f"must be a finite JSON number {_SCALE_RANGE}, not a JSON {type(value).__name__}"
-            )
-        why = _scale_problem(value)
-        if why is not None:
-            raise ValueError(f"must be a finite number {_SCALE_RANGE}: {why}")
-        return value
+        return _checked_scale(value, "", zero_ok=False)
 
     @pydantic.field_validator("lower_precision_safe_modules")
     @classmethod

@@ -38,7 +38,7 @@ def warn_if_slow_here(device_type: str, dtype: torch.dtype) -> bool:
     global _slow_warned
     if _slow_warned:
         return True
-    from zerohooks._compat import native_bf16
+    from zerohooks.adapter.compat import native_bf16
 
     if device_type != "cpu" or dtype != torch.bfloat16 or native_bf16(cuda=False):
         return False
@@ -104,7 +104,7 @@ class AutocastZeroPlugin(ZeroPlugin):
 
     name = "autocastzero"
     deepspeed_seams = ("forward", "loss_scaling")
-    """The adapter seams this plugin uses (:data:`zerohooks.surface.SEAMS`)."""
+    """The adapter seams this plugin uses (:data:`zerohooks.adapter.surface.SEAMS`)."""
     distribution = "zerohooks-autocastzero"
     Config = AutocastZeroConfig
     cfg: AutocastZeroConfig

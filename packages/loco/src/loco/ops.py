@@ -150,40 +150,13 @@ def _register_fakes() -> None:
     _fakes_registered = True
 
     # Every operator writes into tensors it is given (declared mutable in the schema) and returns
-    # nothing, so the fake implementations have nothing to compute.
-    @torch.library.register_fake("loco::quantize_ef")
-    def _quantize_ef_fake(
-        g: torch.Tensor,
-        e: torch.Tensor,
-        e_scale: torch.Tensor,
-        beta: float,
-        bits: int,
-        group_size: int,
-        row_len: int,
-        q: torch.Tensor,
-        scale: torch.Tensor,
-    ) -> None:
+    # nothing, so the fake implementations have nothing to compute: one function serves the three
+    # (the schemas registered with the kernels give the arguments).
+    def _writes_only(*args: object) -> None:
         return None
 
-    @torch.library.register_fake("loco::dequant_reduce_requant")
-    def _drr_fake(
-        q: torch.Tensor,
-        scale: torch.Tensor,
-        e: torch.Tensor,
-        e_scale: torch.Tensor,
-        beta: float,
-        bits: int,
-        group_size: int,
-        q_out: torch.Tensor,
-        scale_out: torch.Tensor,
-    ) -> None:
-        return None
-
-    @torch.library.register_fake("loco::dequant_reduce")
-    def _dr_fake(
-        q: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int, divisor: float, out: torch.Tensor
-    ) -> None:
-        return None
+    for op in ("loco::quantize_ef", "loco::dequant_reduce_requant", "loco::dequant_reduce"):
+        torch.library.register_fake(op)(_writes_only)
 
 
 # ---- wrappers ------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ class MixedLayersPlugin(ZeroPlugin):
 
     name = "mixedlayers"
     deepspeed_seams = ("separate_accumulation", "stage_buckets", "partition_retype")
-    """The adapter seams this plugin uses (:data:`zerohooks.surface.SEAMS`)."""
+    """The adapter seams this plugin uses (:data:`zerohooks.adapter.surface.SEAMS`)."""
     distribution = "zerohooks-mixedlayers"
     Config = MixedLayersConfig
     cfg: MixedLayersConfig

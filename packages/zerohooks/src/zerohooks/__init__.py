@@ -6,8 +6,9 @@
 Importing zerohooks imports no DeepSpeed and changes nothing in it.  The core (hook specs,
 registry, plugin base, plugin config, errors) is imported here; the names that need DeepSpeed
 (``initialize``, ``enable``, the adapter's, ...) are imported when first used (module
-``__getattr__``), and the installed DeepSpeed's version is checked by ``initialize`` and
-``enable``, where zerohooks first uses it.  The one thing import does register is the exit guard
+``__getattr__``) from :mod:`zerohooks.adapter`, the only part of zerohooks that names DeepSpeed's
+internals, and the installed DeepSpeed's version is checked by ``initialize`` and ``enable``,
+where zerohooks first uses it.  The one thing import does register is the exit guard
 (:mod:`zerohooks.exitguard`): an ``atexit`` handler that waits for idle gloo workers, registered
 at import so that it runs after the handlers a script registers later.
 """
@@ -16,8 +17,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
-import types
 from typing import Any
 
 from zerohooks import exitguard  # gloo exits without std::terminate (an atexit handler; no DeepSpeed)
@@ -46,23 +45,23 @@ from zerohooks.plugin import PluginConfig, PluginInUseError, ZeroPlugin
 from zerohooks.registry import FIRST, LAST, HookRegistry, OwnerConflictError, RemovableHandle
 
 _LAZY: dict[str, str] = {
-    "SUPPORTED_DEEPSPEED": "zerohooks._compat",
-    "route_deepspeed_op_builds": "zerohooks._compat",
-    "skip_deepspeed_compiles": "zerohooks._compat",
+    "SUPPORTED_DEEPSPEED": "zerohooks.adapter.compat",
+    "route_deepspeed_op_builds": "zerohooks.adapter.compat",
+    "skip_deepspeed_compiles": "zerohooks.adapter.compat",
     "Attachment": "zerohooks.adapter",
     "attachment": "zerohooks.adapter",
     "detach": "zerohooks.adapter",
     "step_context": "zerohooks.adapter",
     "trust_checkpoint_code": "zerohooks.adapter.dsfiles",
     "CommCounters": "zerohooks.counters",
-    "enable": "zerohooks.enable",
-    "enabled": "zerohooks.enable",
-    "initialize": "zerohooks.initialize",
+    "enable": "zerohooks.adapter.enable",
+    "enabled": "zerohooks.adapter.enable",
+    "initialize": "zerohooks.adapter.initialize",
 }
 """Public names that need DeepSpeed (or torch), by the module they come from: imported on first use."""
 
-_SHADOWED = {"enable": "enable", "initialize": "initialize"}
-"""Submodules named like the function they define: ``zerohooks.initialize`` is the function."""
+_MOVED = {"surface": "zerohooks.adapter.surface"}
+"""Modules that moved into the adapter (the DeepSpeed side), still reachable as ``zerohooks.<name>``."""
 
 
 def __getattr__(name: str) -> Any:
@@ -81,6 +80,8 @@ def __getattr__(name: str) -> Any:
             ) from e
         globals()[name] = value
         return value
+    if name in _MOVED:
+        return importlib.import_module(_MOVED[name])
     if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
         # a submodule (zerohooks.watchdog, zerohooks.adapter, ...), as an eager import bound them
         return importlib.import_module(f"{__name__}.{name}")
@@ -90,20 +91,6 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
-
-class _Package(types.ModuleType):
-    """zerohooks itself: importing the submodule ``zerohooks.initialize`` (or ``enable``) binds
-    the package attribute to the function it defines, as ``from ... import initialize`` did when
-    everything was imported eagerly, so ``zerohooks.initialize(...)`` is the function whichever
-    was imported first."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _SHADOWED and isinstance(value, types.ModuleType):
-            value = getattr(value, _SHADOWED[name])
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 __all__ = [
     "ENTRY_POINT_GROUP",

@@ -130,7 +130,7 @@ def _ds_names(*kinds: str) -> Callable[[], list[str]]:
 
 def _ds_run(*kinds: str) -> Callable[[], str | None]:
     def run() -> str | None:
-        from zerohooks._compat import route_deepspeed_op_builds
+        from zerohooks.adapter.compat import route_deepspeed_op_builds
 
         errors = []
         with route_deepspeed_op_builds():  # announced, and shared through zerohooks.nativecache

@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import copy
 import difflib
-import importlib
 import json
 import os
 import re
@@ -82,11 +81,12 @@ def _parse(text: str, where: str, duplicates: bool) -> dict[str, Any]:
     """``text`` parsed as DeepSpeed parses a config: HJSON (JSON plus comments and unquoted keys),
     duplicate keys refused where DeepSpeed refuses them (in files)."""
     import hjson  # type: ignore[import-untyped]  # a dependency of DeepSpeed, without type hints
-    from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys
+
+    from zerohooks.adapter.dsrules import refuse_duplicate_keys
 
     try:
         if duplicates:
-            data = hjson.loads(text, object_pairs_hook=dict_raise_error_on_duplicate_keys)
+            data = hjson.loads(text, object_pairs_hook=refuse_duplicate_keys)
         else:
             data = hjson.loads(text)
     except ValueError as e:  # hjson.HjsonDecodeError and DeepSpeed's duplicate-key error
@@ -178,24 +178,13 @@ def _normalised(key: str) -> str:
 
 
 def _deepspeed_keys() -> set[str]:
-    """Config key names DeepSpeed defines (its constants modules), so that none is mistaken for a
-    misspelt plugin section."""
-    keys: set[str] = set()
-    for name in (
-        "deepspeed.runtime.constants",
-        "deepspeed.runtime.config",
-        "deepspeed.runtime.precision_config",
-    ):
-        try:
-            module = importlib.import_module(name)
-        except Exception:
-            continue
-        keys.update(
-            v
-            for k, v in vars(module).items()
-            if k.isupper() and isinstance(v, str) and re.fullmatch(r"[a-z0-9_]+", v)
-        )
-    return keys
+    """DeepSpeed's own config keys (:func:`zerohooks.adapter.dsrules.deepspeed_config_keys`), or
+    none where DeepSpeed cannot be imported (then no key is taken for DeepSpeed's)."""
+    try:
+        from zerohooks.adapter.dsrules import deepspeed_config_keys
+    except ImportError:
+        return set()
+    return deepspeed_config_keys()
 
 
 def check_misspelt_sections(ds_config: Mapping[str, Any], names: set[str]) -> None:

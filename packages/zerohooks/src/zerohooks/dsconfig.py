@@ -23,7 +23,6 @@ from zerohooks.hookspec import SetupContext
 
 __all__ = [
     "DeepSpeedSettings",
-    "check_zero_optimizer",
     "engine_context",
     "read_settings",
     "set_communication_data_type",
@@ -116,57 +115,6 @@ def setup_context(ds_config: dict[str, Any]) -> SetupContext:
         communication_data_type=ds_config.get("communication_data_type"),
         buffer_dtype=types.get("buffer_dtype"),
         deepspeed_autocast=tuple(k for k in ("torch_autocast", "amp") if _enabled(ds_config.get(k))),
-    )
-
-
-_ZERO_TESTED_TYPES = ("Adam", "AdamW", "Adagrad", "Lion")
-"""The config's ``optimizer.type`` values that DeepSpeed 0.19.8 builds as an optimizer it has
-tested with ZeRO (torch's or its own Adam/AdamW, Adagrad, Lion; CPU versions under offload)."""
-
-
-def check_zero_optimizer(ds_config: dict[str, Any], optimizer: Any, stage: int) -> None:
-    """Refuse, before DeepSpeed builds anything, an optimizer DeepSpeed's ZeRO refuses once the
-    model is built (its ``AssertionError`` "You are using an untested ZeRO Optimizer"), by
-    DeepSpeed's own rule: on ZeRO 1-3 without a true ``"zero_allow_untested_optimizer"``, the
-    optimizer's class must be in ``deepspeed.runtime.zero.utils.ZERO_SUPPORTED_OPTIMIZERS``.
-    ``optimizer`` is what ``initialize`` was given: an optimizer object is judged by its class;
-    None by the config's ``optimizer.type`` when DeepSpeed would take it from ``torch.optim``
-    (``"SGD"``, ``"RMSprop"``...); DeepSpeed's own type names and optimizer callables are left
-    to DeepSpeed."""
-    if stage == 0 or ds_config.get("zero_allow_untested_optimizer"):
-        return  # DeepSpeed's own test is the truth of the value
-    import torch.optim
-    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
-    from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
-
-    def is_tested(cls: type) -> bool:
-        # DeepSpeed's own classes are left to it (is_zero_supported_optimizer adds MuonWithAuxAdam
-        # when it is asked, and needs the process group to ask)
-        return cls in ZERO_SUPPORTED_OPTIMIZERS or cls.__module__.split(".")[0] == "deepspeed"
-
-    if isinstance(optimizer, torch.optim.Optimizer):
-        cls = type(optimizer)
-        if is_tested(cls):
-            return
-        what = f"the optimizer object passed to initialize ({cls.__module__}.{cls.__qualname__})"
-    elif optimizer is None:
-        section = ds_config.get("optimizer")
-        name = section.get("type") if isinstance(section, dict) else None
-        if not isinstance(name, str) or name.lower() in DEEPSPEED_OPTIMIZERS:
-            return
-        found = getattr(torch.optim, name, None)
-        if not isinstance(found, type) or is_tested(found):
-            return  # no such torch optimizer: DeepSpeed says so in its own words
-        what = f'optimizer.type "{name}" (torch.optim.{name})'
-    else:
-        return
-    tested = ", ".join(f'"{t}"' for t in _ZERO_TESTED_TYPES)
-    raise ConfigError(
-        f"{what} is not an optimizer DeepSpeed has tested with ZeRO (zero_optimization.stage {stage}): "
-        f'DeepSpeed refuses it once the model is built unless "zero_allow_untested_optimizer": true. '
-        f"Use a tested one (optimizer.type {tested}; or an object of torch.optim.Adam, AdamW or Adagrad, "
-        'or DeepSpeed\'s DeepSpeedCPUAdam/FusedAdam), or set "zero_allow_untested_optimizer": true at the '
-        "top level of the DeepSpeed config to run it anyway"
     )
 
 

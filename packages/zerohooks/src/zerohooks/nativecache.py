@@ -160,7 +160,7 @@ def load_library(name: str, path: Path, python_module: bool) -> Any:
 def caching_load(real_load: Callable[..., Any]) -> Callable[..., Any]:
     """``torch.utils.cpp_extension.load`` that first looks in the shared folder and keeps what
     it builds there: for DeepSpeed's own just-in-time ops, whose builder calls ``load`` itself
-    (see :func:`zerohooks._compat.route_deepspeed_op_builds`).  Calls it cannot key (no
+    (see :func:`zerohooks.adapter.compat.route_deepspeed_op_builds`).  Calls it cannot key (no
     sharing, or arguments other than the usual keywords) go straight to ``real_load``."""
 
     def load(*args: Any, **kwargs: Any) -> Any:

@@ -66,12 +66,14 @@ STALL_EXIT_CODE = 75
 _VERDICT = "zerohooks/stall-report"
 _LISTEN = "zerohooks/listen/"
 _OURS = os.path.dirname(os.path.abspath(__file__)).replace(os.sep, "/") + "/"
-_SKIP = ("/torch/distributed/", "/deepspeed/comm/", "/contextlib.py")
+_SKIP = ["/torch/distributed/", "/contextlib.py"]
+"""Path parts of frames a stall report skips (wrappers around the collective); the adapter adds
+DeepSpeed's own (:func:`start`'s ``skip``)."""
 
 
 def where_main_thread_is(depth: int = 3) -> str:
-    """The innermost frames of the main thread, outside torch.distributed and DeepSpeed's comm
-    wrappers (``get_grad_norm_direct (stage_1_and_2.py:1890) < step (...)``)."""
+    """The innermost frames of the main thread, outside torch.distributed and the comm wrappers
+    the adapter named (DeepSpeed's) (``get_grad_norm_direct (stage_1_and_2.py:1890) < step (...)``)."""
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
     parts: list[str] = []
     innermost = ""
@@ -334,10 +336,12 @@ _watch: _Watch | None = None
 _lock = threading.Lock()
 
 
-def start() -> None:
+def start(skip: tuple[str, ...] = ()) -> None:
     """Start this process's step watch (once), if the watchdog is on and the default group is gloo
-    with more than one rank.  Called by the adapter when it attaches to an engine."""
+    with more than one rank.  Called by the adapter when it attaches to an engine; ``skip``: path
+    parts of the framework's comm wrappers, left out of stall reports like torch.distributed."""
     global _watch
+    _SKIP.extend(s for s in skip if s not in _SKIP)
     limit = watchdog.collective_timeout()
     if limit is None or not dist.is_initialized() or dist.get_world_size() == 1:
         return

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from zerohooks import surface
+from zerohooks.adapter import surface
 from zerohooks.adapter.base import Attachment, attachment, step_context
 from zerohooks.errors import ConfigError
 from zerohooks.hookspec import SetupContext

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from zerohooks import stepwatch
-from zerohooks._compat import require_attr
+from zerohooks.adapter.compat import require_attr
 from zerohooks.counters import CommCounters
 from zerohooks.errors import ConfigError
 from zerohooks.hookspec import ReduceBucket, SetupContext, StepContext
@@ -273,7 +273,7 @@ class Attachment:
             self.patch(
                 engine, name, functools.partial(make_watched, f"DeepSpeedEngine.{name}"), "DeepSpeedEngine"
             )
-        stepwatch.start()
+        stepwatch.start(skip=("/deepspeed/comm/",))  # DeepSpeed's comm wrappers: not where a rank waits
 
     def register(self) -> None:
         _attachments[self.engine] = self

@@ -508,30 +508,32 @@ def _guarded(att: Attachment, load_dir: str, tag: str) -> contextlib.AbstractCon
     return dsfiles.guarded(att, [folder], rank, agree)
 
 
+def _bound_call(
+    original: Callable[..., Any], then: Callable[[inspect.BoundArguments], Any]
+) -> Callable[..., Any]:
+    """A wrapper of ``original`` that hands ``then`` the call's arguments bound to ``original``'s
+    signature; a call that does not bind goes to ``original`` as it is (DeepSpeed reports it)."""
+    signature = inspect.signature(original)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return original(*args, **kwargs)
+        return then(bound)
+
+    return call
+
+
 def install_checkpoint_patches(att: Attachment) -> None:
     """Wrap ``engine.save_checkpoint`` and ``engine.load_checkpoint`` of ``att``'s engine."""
     engine = att.engine
 
     def make_save(original: Callable[..., Any]) -> Callable[..., Any]:
-        signature = inspect.signature(original)
-
-        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
-            try:
-                bound = signature.bind(*args, **kwargs)
-            except TypeError:
-                return original(*args, **kwargs)  # DeepSpeed reports the bad call itself
-            return _save(att, original, bound)
-
-        return save_checkpoint
+        return _bound_call(original, lambda bound: _save(att, original, bound))
 
     def make_load(original: Callable[..., Any]) -> Callable[..., Any]:
-        signature = inspect.signature(original)
-
-        def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
-            try:
-                bound = signature.bind(*args, **kwargs)
-            except TypeError:
-                return original(*args, **kwargs)  # DeepSpeed reports the bad call itself
+        def load_checkpoint(bound: inspect.BoundArguments) -> Any:
             module_only = bool(bound.arguments.get("load_module_only", False))
             optimizer = bool(bound.arguments.get("load_optimizer_states", True))
             load_dir, given = os.fspath(bound.arguments["load_dir"]), bound.arguments.get("tag")
@@ -557,7 +559,7 @@ def install_checkpoint_patches(att: Attachment) -> None:
             _load(att, load_dir, choice.tag)
             return out
 
-        return load_checkpoint
+        return _bound_call(original, load_checkpoint)
 
     att.patch(engine, "save_checkpoint", make_save, "DeepSpeedEngine")
     ckptwrite.install(att)

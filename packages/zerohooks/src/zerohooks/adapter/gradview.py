@@ -5,7 +5,7 @@ instead of naming DeepSpeed's partition buffers: ZeRO 1/2's compact fp32 partiti
 ``data_types.grad_accum_dtype``), ZeRO 1's separate ``grad_accum`` attribute, ZeRO 3's per-parameter
 fp32 gradient partition.  Nothing here changes DeepSpeed's state except :func:`restore_micro_steps`,
 the counter DeepSpeed does not restore from a checkpoint.  The names are those of the seam
-``gradient_partitions`` of :data:`zerohooks.surface.SEAMS`.
+``gradient_partitions`` of :data:`zerohooks.adapter.surface.SEAMS`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerohooks import surface
+from zerohooks.adapter import surface
 
 __all__ = [
     "accumulated_partition",

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerohooks import surface
+from zerohooks.adapter import surface
 from zerohooks.adapter.base import Attachment
 from zerohooks.registry import RemovableHandle
 
@@ -88,7 +88,7 @@ def retype_partitions(
     sub-groups' flat buffers and fp32 masters take this rank's part of ``full_value(param)`` (the
     exact value, full shape).  A sub-group must hold only such parameters or none; frozen ones
     (outside the optimizer's groups) are retyped on their own.  ``user``: the plugin asking (named
-    in errors; the seam ``partition_retype`` of :data:`zerohooks.surface.SEAMS` is checked first).  Returns the sub-groups
+    in errors; the seam ``partition_retype`` of :data:`zerohooks.adapter.surface.SEAMS` is checked first).  Returns the sub-groups
     changed; undone at detach."""
     opt = att.engine.optimizer
     surface.check_object(opt, surface.ZERO3, 3, "partition_retype")

@@ -2,7 +2,7 @@
 
 Each function changes one DeepSpeed mechanism of one engine, per instance (undone by
 ``zerohooks.detach``), and is the only place that knows which DeepSpeed attributes carry it
-(all listed in :data:`zerohooks.surface.SURFACE`).  Plugins call them from ``engine_ready`` with
+(all listed in :data:`zerohooks.adapter.surface.SURFACE`).  Plugins call them from ``engine_ready`` with
 the engine's :class:`~zerohooks.adapter.base.Attachment`:
 
 * gradient hand-off: :func:`accumulate_separately` (DeepSpeed's own separate accumulation buffer
@@ -26,8 +26,8 @@ import torch
 
 from zerohooks.adapter.base import Attachment
 from zerohooks.adapter.lossscale import OwnedLossScaler, ScaleOwner, Zero0GradScaler, Zero0Scaling
+from zerohooks.adapter.surface import ENGINE, ZERO3, ZERO12
 from zerohooks.registry import RemovableHandle
-from zerohooks.surface import ENGINE, ZERO3, ZERO12
 
 __all__ = [
     "OwnedLossScaler",

@@ -25,7 +25,7 @@ here instead of naming DeepSpeed's ZeRO-3 internals:
   ZeRO-3 class replaced for the build only, recorded and put back when it ends.
 
 The storage swaps are the plugin's, which puts DeepSpeed's own tensors back when it closes.  The
-names are those of the seam ``optimizer_state_store`` of :data:`zerohooks.surface.SEAMS`.
+names are those of the seam ``optimizer_state_store`` of :data:`zerohooks.adapter.surface.SEAMS`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from zerohooks import surface
+from zerohooks.adapter import surface
 from zerohooks.adapter.base import Attachment
 
 __all__ = [
@@ -264,23 +264,26 @@ def guard_state_access(
 
         return get_grad
 
+    def held(param: Any) -> int | None:
+        """The sub-group of ``param`` when the store holds it (None: DeepSpeed's own)."""
+        i: int = position(opt, param)[0]
+        return i if holds(i) else None
+
     def make_get_state(original: Callable[..., Any]) -> Callable[..., Any]:
         def get_state(param: Any, release_swap_buffers: bool, optim_state_key: Any = None) -> Any:
-            i = position(opt, param)[0]
-            if not holds(i):
+            i = held(param)
+            if i is None:
                 return original(param, release_swap_buffers, optim_state_key)
             with reading(i) as brought_in:
                 out, gi = original(param, release_swap_buffers, optim_state_key)
-                return (out.clone() if brought_in else out), gi
+                return (out.clone() if brought_in else out), gi  # copied before it is released
 
         return get_state
 
     def make_setter(original: Callable[..., Any]) -> Callable[..., Any]:
         def setter(value: Any, param: Any, optim_state_key: Any = None) -> Any:
-            i = position(opt, param)[0]
-            if not holds(i):
-                return original(value, param, optim_state_key)
-            with writing(i):
+            i = held(param)
+            with contextlib.nullcontext() if i is None else writing(i):
                 return original(value, param, optim_state_key)
 
         return setter

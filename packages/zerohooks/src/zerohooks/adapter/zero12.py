@@ -8,9 +8,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerohooks._compat import require_attr, require_attrs
 from zerohooks.adapter import gather
 from zerohooks.adapter.base import Attachment, bind_by_name
+from zerohooks.adapter.compat import require_attr, require_attrs
 from zerohooks.errors import ConfigError
 
 _OPT = "DeepSpeedZeroOptimizer"
@@ -106,38 +106,41 @@ def _device() -> Any:
     return get_accelerator().current_device_name()
 
 
+def _patch_by_param(
+    att: Attachment, opt: Any, name: str, around: Callable[[Any, Callable[[], Any]], Any]
+) -> None:
+    """Shadow ``opt.<name>`` (a method taking a ``param`` argument) with ``around(param, call)``,
+    where ``call()`` runs DeepSpeed's method with the arguments it was given."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        bind = bind_by_name(original)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return around(bind(*args, **kwargs)["param"], lambda: original(*args, **kwargs))
+
+        return wrapper
+
+    att.patch(opt, name, make, _OPT)
+
+
 def _install_micro_step(att: Attachment, opt: Any) -> None:
     """``micro_step_grad`` hooks fire for each gradient DeepSpeed processes."""
     if not att.registry.micro_step_grad.frozen:
         return
 
-    def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        bind = bind_by_name(original)
+    def fire_then_process(param: Any, process: Callable[[], Any]) -> Any:
+        att.fire_micro_step_grad(param)
+        return process()
 
-        def process_gradients(*args: Any, **kwargs: Any) -> Any:
-            att.fire_micro_step_grad(bind(*args, **kwargs)["param"])
-            return original(*args, **kwargs)
-
-        return process_gradients
-
-    att.patch(opt, "process_gradients", make, _OPT)
+    _patch_by_param(att, opt, "process_gradients", fire_then_process)
 
 
 def _install_reduce_tensor(att: Attachment, opt: Any) -> None:
     """``reduce_tensor`` hooks choose the tensor handed to the collective."""
-    if not att.registry.reduce_tensor.frozen:
-        return
-
-    def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        bind = bind_by_name(original)
-
-        def get_gradient_for_reduction(*args: Any, **kwargs: Any) -> Any:
-            param = bind(*args, **kwargs)["param"]
-            return att.reduce_tensor(param, original(*args, **kwargs))
-
-        return get_gradient_for_reduction
-
-    att.patch(opt, "get_gradient_for_reduction", make, _OPT)
+    if att.registry.reduce_tensor.frozen:
+        _patch_by_param(
+            att, opt, "get_gradient_for_reduction", lambda param, get: att.reduce_tensor(param, get())
+        )
 
 
 class _SliceOwners:

@@ -8,10 +8,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerohooks import surface
-from zerohooks._compat import require_attr, require_attrs
-from zerohooks.adapter import gather
+from zerohooks.adapter import gather, surface
 from zerohooks.adapter.base import Attachment
+from zerohooks.adapter.compat import require_attr, require_attrs
 from zerohooks.errors import ConfigError
 from zerohooks.hookspec import ReduceBucket
 from zerohooks.registry import RemovableHandle

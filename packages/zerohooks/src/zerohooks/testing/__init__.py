@@ -93,11 +93,11 @@ itself removes it first."""
 
 
 def _skip_shm_op() -> None:
-    """:func:`zerohooks._compat.skip_deepspeed_shm_op` in this rank, unless
+    """:func:`zerohooks.adapter.compat.skip_deepspeed_shm_op` in this rank, unless
     ``ZEROHOOKS_TEST_SHM_OP=1`` asks to build and load DeepSpeed's shared-memory op anyway."""
     if os.environ.get("ZEROHOOKS_TEST_SHM_OP") == "1":
         return
-    from zerohooks._compat import skip_deepspeed_shm_op
+    from zerohooks.adapter.compat import skip_deepspeed_shm_op
 
     skip_deepspeed_shm_op()
 
@@ -201,7 +201,7 @@ def _worker(
         # the tests' ranks build DeepSpeed's ops (plain DeepSpeed's too: the oracles) announced
         # and through zerohooks.nativecache, as zerohooks.initialize does; for the rank's life
         global rank_op_builds
-        from zerohooks._compat import route_deepspeed_op_builds
+        from zerohooks.adapter.compat import route_deepspeed_op_builds
 
         rank_op_builds = route_deepspeed_op_builds()
         deepspeed.init_distributed(dist_backend=opts.backend, verbose=False)

@@ -127,6 +127,19 @@ def train(engine: Any, steps: int, gas: int, first: int = 0, **batch_kwargs: Any
     return losses
 
 
+def mean_loss_step(engine: Any, *inputs: Any) -> float:
+    """One forward (``engine(*inputs)`` returns the loss), backward and step of ``engine``; the
+    loss averaged over the ranks of the default group."""
+    import torch.distributed as dist
+
+    loss = engine(*inputs)
+    engine.backward(loss)
+    engine.step()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return float(total) / dist.get_world_size()
+
+
 def train_like_accelerate(
     engine: Any, steps: int, gas: int, first: int = 0, **batch_kwargs: Any
 ) -> list[float]:

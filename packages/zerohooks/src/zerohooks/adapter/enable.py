@@ -18,8 +18,12 @@ from typing import Any
 
 import deepspeed
 
-from zerohooks._compat import original_initialize, require_supported_deepspeed, route_deepspeed_op_builds
-from zerohooks.initialize import initialize
+from zerohooks.adapter.compat import (
+    original_initialize,
+    require_supported_deepspeed,
+    route_deepspeed_op_builds,
+)
+from zerohooks.adapter.initialize import initialize
 from zerohooks.registry import RemovableHandle
 
 __all__ = ["enable", "enabled", "original_initialize"]

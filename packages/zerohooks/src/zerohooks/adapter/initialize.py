@@ -11,10 +11,15 @@ from typing import Any
 import torch
 
 from zerohooks import watchdog
-from zerohooks._compat import original_initialize, require_supported_deepspeed, route_deepspeed_op_builds
 from zerohooks.adapter import attach, attachment, detach
+from zerohooks.adapter.compat import (
+    original_initialize,
+    require_supported_deepspeed,
+    route_deepspeed_op_builds,
+)
+from zerohooks.adapter.dsrules import check_zero_optimizer
 from zerohooks.config import load_config, split_plugin_sections
-from zerohooks.dsconfig import check_zero_optimizer, engine_context, setup_context
+from zerohooks.dsconfig import engine_context, setup_context
 from zerohooks.errors import ConfigError
 from zerohooks.hookspec import SetupContext
 from zerohooks.plugin import ZeroPlugin

@@ -141,7 +141,7 @@ SEAMS: dict[str, tuple[Internal, ...]] = {
         ),
         *_entries("engine", ENGINE, _ALL, optional_patch="destroy"),
         # an optimizer DeepSpeed's ZeRO would refuse once the model is built is refused before
-        # (dsconfig.check_zero_optimizer), by DeepSpeed's own lists
+        # (adapter.dsrules.check_zero_optimizer), by DeepSpeed's own lists
         *_entries("engine", "deepspeed.runtime.config", (1, 2, 3), read="DEEPSPEED_OPTIMIZERS"),
         *_entries("engine", "deepspeed.runtime.zero.utils", (1, 2, 3), read="ZERO_SUPPORTED_OPTIMIZERS"),
         *_entries("engine", "deepspeed.runtime.zero.config", _ALL, optional="ZeroStageEnum"),
@@ -412,7 +412,7 @@ def _raise(missing: list[tuple[str, str]]) -> None:
         return
     import deepspeed
 
-    from zerohooks._compat import SUPPORTED_DEEPSPEED
+    from zerohooks.adapter.compat import SUPPORTED_DEEPSPEED
     from zerohooks.errors import DeepSpeedInternalMissing
 
     names = list(dict.fromkeys(n for n, _ in missing))
