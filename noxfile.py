@@ -138,11 +138,10 @@ def _keep_bytecode(session: nox.Session) -> None:
     and torch._dynamo (which a torch optimizer imports) before doing anything (issue 35).  The
     cache is ``<venv>/pycache`` (PYTHONPYCACHEPREFIX: nothing is written into the source tree or
     site-packages; each file is written whole, then renamed, so ranks importing side by side are
-    safe); the first process compiles what it imports, the others load it.  An explicit
-    PYTHONPYCACHEPREFIX in the environment is kept."""
+    safe); the first process compiles what it imports, the others load it (a venv made again
+    starts an empty one).  tests/integration/test_session_bytecode.py checks it."""
     session.env["PYTHONDONTWRITEBYTECODE"] = ""  # empty: Python writes bytecode
-    if not os.environ.get("PYTHONPYCACHEPREFIX"):
-        session.env["PYTHONPYCACHEPREFIX"] = str(Path(session.virtualenv.location) / "pycache")
+    session.env["PYTHONPYCACHEPREFIX"] = str(Path(session.virtualenv.location) / "pycache")
 
 
 def _install(
