@@ -10,9 +10,10 @@ and the call fails naming them, so a test never hangs CI.
 every rank (as DeepSpeed's own ``DistributedTest`` does).
 
 How ranks start (``ZEROHOOKS_TEST_START_METHOD``): ``forkserver`` (the default) forks every rank
-from one server process per test process that imported torch and DeepSpeed once, so a rank
-starts in well under a second instead of importing them again (several seconds of CPU per rank,
-30 s a launch on a loaded 2-core machine).  Each rank is still a fresh process used by one
+from one server process per test process that imported torch, DeepSpeed and torch._dynamo
+(which a rank's first torch optimizer needs) once, so a rank starts in well under a second
+instead of importing them again (several seconds of CPU per rank, 30 s a launch on a loaded
+2-core machine).  Each rank is still a fresh process used by one
 call: it receives the caller's current environment, working folder, ``sys.path``, stdout and
 stderr, and runs the interpreter's exit handlers (``atexit``) when it ends, as a spawned rank
 does.  ``spawn`` starts every rank as a new interpreter instead.
