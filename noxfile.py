@@ -126,6 +126,22 @@ def _prepare(session: nox.Session) -> None:
     if links:
         session.env["UV_FIND_LINKS"] = ",".join(links)  # uv does not read pip.conf
     session.env["DS_BUILD_OPS"] = "0"  # DeepSpeed builds its ops just in time, never at install
+    _keep_bytecode(session)
+
+
+def _keep_bytecode(session: nox.Session) -> None:
+    """Every Python process of the session reads its modules' bytecode from a cache in the venv.
+
+    uv installs no ``.pyc`` files, and this machine's environment sets PYTHONDONTWRITEBYTECODE=1,
+    so without this every process compiled the modules it imports from source again: each rank,
+    torchrun launch and demo run spent 7-8 s of CPU (30 s under load) compiling torch, DeepSpeed
+    and torch._dynamo (which a torch optimizer imports) before doing anything (issue 35).  The
+    cache is ``<venv>/pycache`` (PYTHONPYCACHEPREFIX: nothing is written into the source tree or
+    site-packages; each file is written whole, then renamed, so ranks importing side by side are
+    safe); the first process compiles what it imports, the others load it (a venv made again
+    starts an empty one).  tests/integration/test_session_bytecode.py checks it."""
+    session.env["PYTHONDONTWRITEBYTECODE"] = ""  # empty: Python writes bytecode
+    session.env["PYTHONPYCACHEPREFIX"] = str(Path(session.virtualenv.location) / "pycache")
 
 
 def _install(

@@ -25,6 +25,7 @@ import traceback
 
 import deepspeed
 import torch
+import torch._dynamo  # (a torch optimizer imports it: once here, not in each trial's ranks)
 
 import zerohooks
 from zerohooks import stepwatch, watchdog

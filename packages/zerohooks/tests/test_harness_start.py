@@ -63,3 +63,17 @@ def test_an_unknown_start_method_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("ZEROHOOKS_TEST_START_METHOD", "fork")
     with pytest.raises(ValueError, match="accepted values are forkserver, spawn"):
         run_distributed(_die, 2)
+
+
+def _dynamo_loaded() -> bool:
+    return "torch._dynamo" in sys.modules
+
+
+@pytest.mark.multirank
+def test_forked_ranks_find_torch_dynamo_imported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fork server imports torch._dynamo once (a rank's first torch optimizer needs it: 3-30 s
+    a rank on the loaded 2-core machine); a spawned rank, which starts from nothing, has not."""
+    monkeypatch.setenv("ZEROHOOKS_TEST_START_METHOD", "forkserver")
+    assert run_distributed(_dynamo_loaded, 1) == [True]
+    monkeypatch.setenv("ZEROHOOKS_TEST_START_METHOD", "spawn")
+    assert run_distributed(_dynamo_loaded, 1) == [False]  # the probe can tell the two apart

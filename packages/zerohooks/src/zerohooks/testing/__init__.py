@@ -10,9 +10,10 @@ and the call fails naming them, so a test never hangs CI.
 every rank (as DeepSpeed's own ``DistributedTest`` does).
 
 How ranks start (``ZEROHOOKS_TEST_START_METHOD``): ``forkserver`` (the default) forks every rank
-from one server process per test process that imported torch and DeepSpeed once, so a rank
-starts in well under a second instead of importing them again (several seconds of CPU per rank,
-30 s a launch on a loaded 2-core machine).  Each rank is still a fresh process used by one
+from one server process per test process that imported torch, DeepSpeed and torch._dynamo
+(which a rank's first torch optimizer needs) once, so a rank starts in well under a second
+instead of importing them again (several seconds of CPU per rank, 30 s a launch on a loaded
+2-core machine).  Each rank is still a fresh process used by one
 call: it receives the caller's current environment, working folder, ``sys.path``, stdout and
 stderr, and runs the interpreter's exit handlers (``atexit``) when it ends, as a spawned rank
 does.  ``spawn`` starts every rank as a new interpreter instead.
@@ -46,9 +47,11 @@ __all__ = [
 F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_TIMEOUT = float(os.environ.get("ZEROHOOKS_TEST_TIMEOUT", "300"))
 START_METHODS = ("forkserver", "spawn")
-_PRELOAD = ["torch", "deepspeed"]
+_PRELOAD = ["torch", "deepspeed", "torch._dynamo"]
 """What the fork server imports once for every rank it forks (nothing of ours: each rank
-imports zerohooks and the plugins itself, under the caller's environment)."""
+imports zerohooks and the plugins itself, under the caller's environment).  torch._dynamo is
+not imported by ``import torch`` but by the first torch optimizer a rank builds (about 1,400
+modules: 3 s a rank on the loaded 2-core machine with bytecode cached, 30 s without)."""
 _forkserver: Any = None
 
 
