@@ -36,7 +36,7 @@ from mixedlayers.under_autocast import AUTOCAST_PLUGIN, install_autocast_off, re
 from mixedlayers.zero3 import restore_zero3
 from mixedlayers.zero12 import fp32_accumulation_by_config, install_fp32_accumulation, install_fp32_staging
 from zerohooks import ConfigError, PluginConfig, SetupContext, ZeroPlugin
-from zerohooks.dsconfig import set_grad_accum_dtype
+from zerohooks.dsconfig import read_settings, refuse_universal_load, set_grad_accum_dtype
 from zerohooks.hookspec import GatherDtypeHook, PrepareModelHook, PrepareParametersHook, ReduceDtypeHook
 from zerohooks.registry import FIRST, LAST, HookRegistry
 
@@ -81,6 +81,11 @@ class MixedLayersPlugin(ZeroPlugin):
 
     @override
     def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
+        refuse_universal_load(
+            read_settings(ds_config),
+            "mixedlayers",
+            "ds_to_universal's conversion of a model with fp32 modules inside a 16-bit model is untested",
+        )
         ctx = self.deepspeed
         if self.under_autocast:
             return  # autocastzero refuses DeepSpeed's bf16/fp16 sections; parameters stay fp32

@@ -1,0 +1,226 @@
+"""The compatibility matrix (``tools/compat_matrix.py``), checked cell by cell on 2 gloo ranks.
+
+One launch of 2 ranks builds every engine the matrix needs (each configuration once, oracles
+shared between cells) and tries every refused configuration; the tests then judge each cell:
+
+* ``works``/``limit`` cells train and match their oracle: gradient clipping against plain
+  DeepSpeed with the same clipping (AdamW with ``eps`` 1.0, so the update follows the gradient's
+  size and clipping shows in the losses; the tolerance is the plugin's own distance to plain
+  DeepSpeed without clipping), the math-neutral features (``prescale_gradients``,
+  ``gradient_predivide_factor``, ``offload_param``, ``sequence_parallel_size``) against the same
+  plugin without them (identical losses), nvmeswap against DeepSpeed's CPU optimizer offload with
+  the same feature (identical losses);
+* ``refused`` cells raise zerohooks' ``ConfigError`` at ``initialize`` naming the plugin and the
+  DeepSpeed key, and saying what to do instead;
+* the README's matrix (top level and each package) is the table rendered.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+import compat_matrix  # noqa: E402
+
+PLUGINS = ("accumdtype", "autocastzero", "mixedlayers", "loco", "nvmeswap")
+STEPS, GAS = 3, 2
+MIXED = {"fp32_modules": ["fc2"], "fp32_module_types": ["torch.nn.LayerNorm"]}
+SECTIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    "none": ("bf16", {}),
+    "accumdtype": ("bf16", {"accumdtype": {"dtype": "fp32"}}),
+    "autocastzero": ("fp32", {"autocastzero": {"dtype": "bfloat16"}}),
+    "mixedlayers": ("bf16", {"mixedlayers": MIXED}),
+    "loco": ("bf16", {"loco": {"exact_below": 0}}),
+    "all": ("bf16", {"accumdtype": {"dtype": "fp32"}, "mixedlayers": MIXED, "loco": {"exact_below": 0}}),
+}
+"""Each column's plugin sections on the toy model (``none``: plain DeepSpeed, the oracle)."""
+CLIP = 0.05
+FEATURES: dict[str, dict[str, Any]] = {
+    "clip": {"gradient_clipping": CLIP},
+    "prescale": {"prescale_gradients": True},
+    "predivide": {"gradient_predivide_factor": 2.0},
+    "offload_param": {"offload_param": {"device": "cpu"}},
+    "sp": {"sequence_parallel_size": 2},
+    "universal": {"checkpoint": {"load_universal": True}},
+}
+"""Each row's DeepSpeed settings (``offload_param`` goes inside ``zero_optimization``)."""
+NO_REDUCE_SCATTER = ("prescale", "predivide", "unscaled")
+"""The runs with ``zero_optimization.reduce_scatter`` false (DeepSpeed refuses pre-scaling and
+pre-division with it on ZeRO 2/3): the two rows, and ``unscaled``, their oracle without either."""
+
+
+def _config(column: str, stage: int, feature: str | None, folder: str) -> dict[str, Any]:
+    """The DeepSpeed config of one run: ``column``'s plugins, ``feature`` on or off."""
+    from zerohooks.testing.toy import ds_config
+
+    extra = dict(FEATURES[feature]) if feature in FEATURES else {}
+    zero: dict[str, Any] = {"stage": stage}
+    if "offload_param" in extra:
+        zero["offload_param"] = extra.pop("offload_param")
+    if feature in NO_REDUCE_SCATTER:
+        zero["reduce_scatter"] = False
+    if column in ("nvmeswap", "nvme-oracle"):
+        zero["sub_group_size"] = 2000
+        zero["offload_optimizer"] = {
+            "device": "nvme" if column == "nvmeswap" else "cpu",
+            "nvme_path": folder,
+            "pin_memory": False,
+        }
+        dtype, sections = "bf16", ({"nvmeswap": {}} if column == "nvmeswap" else {})
+        extra["zero_force_ds_cpu_optimizer"] = False
+    else:
+        dtype, sections = SECTIONS[column]
+    # eps 1.0: AdamW's update follows the gradient's size, so clipping changes the losses
+    optimizer = {"type": "AdamW", "params": {"lr": 0.5, "eps": 1.0, "torch_adam": True}}
+    return ds_config(
+        stage, dtype, gas=GAS, sections=sections, optimizer=optimizer, zero_optimization=zero, **extra
+    )
+
+
+def _plan() -> tuple[list[tuple[str, int, str | None]], list[tuple[str, str, int]]]:
+    """Every training run the works/limit cells need (column, stage, feature), each once, and
+    every refused cell (row, column, stage)."""
+    runs: list[tuple[str, int, str | None]] = []
+    refused: list[tuple[str, str, int]] = []
+
+    def need(run: tuple[str, int, str | None]) -> None:
+        if run not in runs:
+            runs.append(run)
+
+    for (row, column), cell in compat_matrix.MATRIX.items():
+        if cell.kind == "refused":
+            stage = 3 if column == "nvmeswap" or row == "offload_param" else 2
+            refused.append((row, column, stage))
+            continue
+        for stage in cell.stages:
+            if column == "nvmeswap":
+                need((column, stage, row))
+                need(("nvme-oracle", stage, row))
+            elif row == "clip":
+                for col in (column, "none"):
+                    need((col, stage, row))
+                    need((col, stage, None))
+            else:
+                need((column, stage, row))
+                need((column, stage, _without(row)))
+    return runs, refused
+
+
+def _without(row: str) -> str | None:
+    """The feature of the run a math-neutral row is compared with (the same plugin without it)."""
+    return "unscaled" if row in NO_REDUCE_SCATTER else None
+
+
+def _run_all(tmp: str, runs: list[tuple[str, int, str | None]], refused: list[tuple[str, str, int]]) -> str:
+    import zerohooks
+    from zerohooks import ConfigError
+    from zerohooks.testing.toy import make_model, train
+
+    rank = int(os.environ["RANK"])
+    trained: dict[str, Any] = {}
+    for i, (column, stage, feature) in enumerate(runs):
+        folder = f"{tmp}/run{i}/r{rank}"
+        model = make_model(mult=4)
+        cfg = _config(column, stage, feature, folder)
+        engine, *_ = zerohooks.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        losses = train(engine, STEPS, GAS)
+        norm = engine.get_global_grad_norm()
+        trained[json.dumps([column, stage, feature])] = {"losses": losses, "norm": float(norm)}
+        if zerohooks.attachment(engine) is not None:
+            zerohooks.detach(engine)
+    errors: dict[str, Any] = {}
+    for row, column, stage in refused:
+        folder = f"{tmp}/refused/r{rank}"
+        model = make_model(mult=4)
+        cfg = _config(column, stage, row, folder)
+        try:
+            zerohooks.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        except ConfigError as e:
+            errors[json.dumps([row, column])] = str(e)
+        else:
+            errors[json.dumps([row, column])] = None
+    return json.dumps({"trained": trained, "errors": errors})
+
+
+@pytest.fixture(scope="module")
+def found(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    for name in PLUGINS:
+        pytest.importorskip(name)
+    from zerohooks.testing import run_distributed
+
+    runs, refused = _plan()
+    tmp = str(tmp_path_factory.mktemp("compat"))
+    return [json.loads(r) for r in run_distributed(_run_all, 2, args=(tmp, runs, refused), timeout=1200)]
+
+
+def test_table_is_whole() -> None:
+    """Every row has every column; a trained claim names its stages; a refusal its key words."""
+    for row in compat_matrix.ROWS:
+        assert set(row.cells) == set(compat_matrix.COLUMNS), row.key
+        assert row.key in FEATURES, row.key
+        for column, cell in row.cells.items():
+            assert cell.text and "\n" not in cell.text, (row.key, column)
+            if cell.kind == "refused":
+                assert cell.keywords and not cell.stages, (row.key, column)
+            else:
+                assert cell.stages and set(cell.stages) <= {0, 1, 2, 3}, (row.key, column)
+
+
+def test_readmes_show_the_table() -> None:
+    bad = compat_matrix.check()
+    assert not bad, f"{bad}: run python tools/compat_matrix.py --write"
+
+
+def _losses(rank: dict[str, Any], column: str, stage: int, feature: str | None) -> list[float]:
+    return list(rank["trained"][json.dumps([column, stage, feature])]["losses"])
+
+
+def _dist(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.multirank
+def test_trained_cells_match_their_oracle(found: list[dict[str, Any]]) -> None:
+    for rank in found:
+        for (row, column), cell in compat_matrix.MATRIX.items():
+            if cell.kind == "refused":
+                continue
+            for stage in cell.stages:
+                got = _losses(rank, column, stage, row)
+                assert all(math.isfinite(v) for v in got), (row, column, stage, got)
+                if column == "nvmeswap":
+                    assert got == _losses(rank, "nvme-oracle", stage, row), (row, stage)
+                elif row == "clip":
+                    ds_clip, ds = _losses(rank, "none", stage, "clip"), _losses(rank, "none", stage, None)
+                    tol = 2 * _dist(_losses(rank, column, stage, None), ds) + 1e-3
+                    # the test can fail: clipping moves plain DeepSpeed's losses well beyond the tolerance
+                    assert _dist(ds_clip, ds) > 3 * tol, (column, stage, _dist(ds_clip, ds), tol)
+                    assert _dist(got, ds_clip) <= tol, (column, stage, got, ds_clip, tol)
+                    norm = rank["trained"][json.dumps([column, stage, row])]["norm"]
+                    ds_norm = rank["trained"][json.dumps(["none", stage, row])]["norm"]
+                    assert math.isclose(norm, ds_norm, rel_tol=0.1), (column, stage, norm, ds_norm)
+                else:
+                    assert got == _losses(rank, column, stage, _without(row)), (row, column, stage)
+
+
+@pytest.mark.multirank
+def test_refused_cells_raise_our_error(found: list[dict[str, Any]]) -> None:
+    for rank in found:
+        for (row, column), cell in compat_matrix.MATRIX.items():
+            if cell.kind != "refused":
+                continue
+            message = rank["errors"][json.dumps([row, column])]
+            assert message is not None, f"{row} with {column}: initialize accepted it"
+            names = ("accumdtype", "mixedlayers", "loco") if column == "all" else (column,)
+            assert any(n in message for n in names), (row, column, message)
+            for word in cell.keywords:
+                assert word in message, (row, column, word, message)
+            assert any(w in message for w in ("remove", "use ", "load a regular")), (row, column, message)
