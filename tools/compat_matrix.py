@@ -72,6 +72,10 @@ _CLIP_ORACLE = (
     "plain DeepSpeed with the same clipping (losses and global grad norm within the plugin's tolerance)"
 )
 _NVME_ORACLE = "DeepSpeed's CPU optimizer offload with the same feature: identical losses"
+_MOE_ORACLE = (
+    "plain DeepSpeed with the same MoE model (losses within the plugin's tolerance; each rank's expert "
+    "moves apart from the other's as much as there)"
+)
 _SP_LIMIT = (
     "groups and averaging checked (losses identical to the run without it) on a model without "
     "DistributedAttention; Ulysses attention itself not exercised"
@@ -170,6 +174,22 @@ ROWS: tuple[Row, ...] = (
         },
     ),
     Row(
+        "moe",
+        "DeepSpeed MoE layers (expert parallelism)",
+        "deepspeed.moe.layer.MoE(num_experts=2, ep_size=2) in the model, 2 ranks",
+        {
+            **{c: Cell("works", _MOE_ORACLE, (1, 2)) for c in ("accumdtype", "autocastzero", "mixedlayers")},
+            "loco": Cell(
+                "limit", _MOE_ORACLE + "; expert groups take loco's flat exchange, never two-level", (1, 2)
+            ),
+            "all": Cell("limit", _MOE_ORACLE + "; as loco", (1, 2)),
+            "nvmeswap": _r(
+                ("MoE", "stage"),
+                "DeepSpeed has no native MoE on ZeRO 3, which nvmeswap needs; use CPU offload on ZeRO 1/2",
+            ),
+        },
+    ),
+    Row(
         "universal",
         "loading a universal checkpoint",
         '"checkpoint": {"load_universal": true}',
@@ -182,7 +202,7 @@ MATRIX: dict[tuple[str, str], Cell] = {(row.key, col): row.cells[col] for row in
 """(row key, column) -> cell."""
 
 NOT_SETTLED = (
-    "`engine.compile()`, DeepSpeed MoE layers (`deepspeed.moe`), pipeline parallelism "
+    "`engine.compile()`, pipeline parallelism "
     "(`PipelineModule`), DeepSpeed activation checkpointing (`deepspeed.checkpointing`) and "
     "`offload_param` to NVMe are not in the matrix yet: no claim is made for them with any plugin."
 )

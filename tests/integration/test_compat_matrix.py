@@ -49,9 +49,14 @@ FEATURES: dict[str, dict[str, Any]] = {
     "predivide": {"gradient_predivide_factor": 2.0},
     "offload_param": {"offload_param": {"device": "cpu"}},
     "sp": {"sequence_parallel_size": 2},
+    "moe": {},
     "universal": {"checkpoint": {"load_universal": True}},
 }
-"""Each row's DeepSpeed settings (``offload_param`` goes inside ``zero_optimization``)."""
+"""Each row's DeepSpeed settings (``offload_param`` goes inside ``zero_optimization``; ``moe`` is
+the model: :func:`_model`)."""
+COMPARED_WITH_DEEPSPEED = ("clip", "moe")
+"""The rows whose oracle is plain DeepSpeed with the same feature, within the plugin's own
+distance to plain DeepSpeed without it (doubled, plus 1e-3)."""
 NO_REDUCE_SCATTER = ("prescale", "predivide", "unscaled")
 """The runs with ``zero_optimization.reduce_scatter`` false (DeepSpeed refuses pre-scaling and
 pre-division with it on ZeRO 2/3): the two rows, and ``unscaled``, their oracle without either."""
@@ -85,6 +90,58 @@ def _config(column: str, stage: int, feature: str | None, folder: str) -> dict[s
     )
 
 
+def _model(feature: str | None) -> Any:
+    """The toy model, or for ``moe`` the toy model with a 2-expert DeepSpeed MoE layer
+    (``ep_size`` 2: one expert per rank, same initial weights on both, no token dropped)."""
+    import torch
+    from torch import nn
+
+    from zerohooks.testing.toy import TinyNet, make_model
+
+    if feature != "moe":
+        return make_model(mult=4)
+    from deepspeed.moe.layer import MoE
+
+    class MoENet(TinyNet):
+        def __init__(self) -> None:
+            super().__init__(mult=4)
+            width = self.fc2.in_features
+            self.moe = MoE(
+                width,
+                nn.Linear(width, width),
+                num_experts=2,
+                ep_size=2,
+                k=1,
+                min_capacity=0,
+                drop_tokens=False,
+            )
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            h = nn.functional.gelu(self.norm(self.fc1(self.emb(tokens).mean(dim=1))))
+            mixed, _aux, _counts = self.moe(h)
+            out: torch.Tensor = self.fc2(h + mixed)
+            return out
+
+    torch.manual_seed(0)
+    return MoENet()
+
+
+def _parameters(model: Any, feature: str | None) -> Any:
+    if feature != "moe":
+        return model.parameters()
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    return split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(model.parameters()), "name": "all"}
+    )
+
+
+def _expert(model: Any) -> list[float]:
+    """The local expert's weight (ZeRO 1/2: whole on its rank)."""
+    (expert,) = model.moe.deepspeed_moe.experts.deepspeed_experts
+    return [float(v) for v in expert.weight.detach().float().flatten()]
+
+
 def _plan() -> tuple[list[tuple[str, int, str | None]], list[tuple[str, str, int]]]:
     """Every training run the works/limit cells need (column, stage, feature), each once, and
     every refused cell (row, column, stage)."""
@@ -104,7 +161,7 @@ def _plan() -> tuple[list[tuple[str, int, str | None]], list[tuple[str, str, int
             if column == "nvmeswap":
                 need((column, stage, row))
                 need(("nvme-oracle", stage, row))
-            elif row == "clip":
+            elif row in COMPARED_WITH_DEEPSPEED:
                 for col in (column, "none"):
                     need((col, stage, row))
                     need((col, stage, None))
@@ -122,27 +179,32 @@ def _without(row: str) -> str | None:
 def _run_all(tmp: str, runs: list[tuple[str, int, str | None]], refused: list[tuple[str, str, int]]) -> str:
     import zerohooks
     from zerohooks import ConfigError
-    from zerohooks.testing.toy import make_model, train
+    from zerohooks.testing.toy import train
 
     rank = int(os.environ["RANK"])
     trained: dict[str, Any] = {}
     for i, (column, stage, feature) in enumerate(runs):
         folder = f"{tmp}/run{i}/r{rank}"
-        model = make_model(mult=4)
+        model = _model(feature)
         cfg = _config(column, stage, feature, folder)
-        engine, *_ = zerohooks.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        engine, *_ = zerohooks.initialize(
+            model=model, model_parameters=_parameters(model, feature), config=cfg
+        )
         losses = train(engine, STEPS, GAS)
         norm = engine.get_global_grad_norm()
-        trained[json.dumps([column, stage, feature])] = {"losses": losses, "norm": float(norm)}
+        found = {"losses": losses, "norm": float(norm)}
+        if feature == "moe":
+            found["expert"] = _expert(model)
+        trained[json.dumps([column, stage, feature])] = found
         if zerohooks.attachment(engine) is not None:
             zerohooks.detach(engine)
     errors: dict[str, Any] = {}
     for row, column, stage in refused:
         folder = f"{tmp}/refused/r{rank}"
-        model = make_model(mult=4)
+        model = _model(row)
         cfg = _config(column, stage, row, folder)
         try:
-            zerohooks.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+            zerohooks.initialize(model=model, model_parameters=_parameters(model, row), config=cfg)
         except ConfigError as e:
             errors[json.dumps([row, column])] = str(e)
         else:
@@ -187,28 +249,54 @@ def _dist(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
+def _tolerance(rank: dict[str, Any], column: str, stage: int) -> float:
+    """The plugin's own distance to plain DeepSpeed on the toy model without any feature,
+    doubled, plus 1e-3: how far from plain DeepSpeed a feature may leave it."""
+    return 2 * _dist(_losses(rank, column, stage, None), _losses(rank, "none", stage, None)) + 1e-3
+
+
+def _spread(found: list[dict[str, Any]], column: str, stage: int) -> float:
+    """How far apart the two ranks' experts ended (they start equal)."""
+    e0, e1 = (rank["trained"][json.dumps([column, stage, "moe"])]["expert"] for rank in found)
+    return _dist(e0, e1)
+
+
 @pytest.mark.multirank
 def test_trained_cells_match_their_oracle(found: list[dict[str, Any]]) -> None:
-    for rank in found:
-        for (row, column), cell in compat_matrix.MATRIX.items():
-            if cell.kind == "refused":
-                continue
-            for stage in cell.stages:
+    for (row, column), cell in compat_matrix.MATRIX.items():
+        if cell.kind == "refused":
+            continue
+        for stage in cell.stages:
+            for rank in found:
                 got = _losses(rank, column, stage, row)
                 assert all(math.isfinite(v) for v in got), (row, column, stage, got)
                 if column == "nvmeswap":
                     assert got == _losses(rank, "nvme-oracle", stage, row), (row, stage)
-                elif row == "clip":
+                elif row in COMPARED_WITH_DEEPSPEED:
+                    tol = _tolerance(rank, column, stage)
+                    assert _dist(got, _losses(rank, "none", stage, row)) <= tol, (
+                        row,
+                        column,
+                        stage,
+                        got,
+                        tol,
+                    )
+                else:
+                    assert got == _losses(rank, column, stage, _without(row)), (row, column, stage)
+            if row == "clip" and column != "nvmeswap":
+                for rank in found:
                     ds_clip, ds = _losses(rank, "none", stage, "clip"), _losses(rank, "none", stage, None)
-                    tol = 2 * _dist(_losses(rank, column, stage, None), ds) + 1e-3
                     # the test can fail: clipping moves plain DeepSpeed's losses well beyond the tolerance
+                    tol = _tolerance(rank, column, stage)
                     assert _dist(ds_clip, ds) > 3 * tol, (column, stage, _dist(ds_clip, ds), tol)
-                    assert _dist(got, ds_clip) <= tol, (column, stage, got, ds_clip, tol)
                     norm = rank["trained"][json.dumps([column, stage, row])]["norm"]
                     ds_norm = rank["trained"][json.dumps(["none", stage, row])]["norm"]
                     assert math.isclose(norm, ds_norm, rel_tol=0.1), (column, stage, norm, ds_norm)
-                else:
-                    assert got == _losses(rank, column, stage, _without(row)), (row, column, stage)
+            if row == "moe":
+                # experts reduced within their own (one-rank) groups move apart as in plain
+                # DeepSpeed; reduced across the world they would stay equal
+                ds, got = _spread(found, "none", stage), _spread(found, column, stage)
+                assert ds > 0 and 0.5 * ds <= got <= 2 * ds, (column, stage, got, ds)
 
 
 @pytest.mark.multirank
