@@ -50,11 +50,13 @@ FEATURES: dict[str, dict[str, Any]] = {
     "offload_param": {"offload_param": {"device": "cpu"}},
     "sp": {"sequence_parallel_size": 2},
     "moe": {},
+    "actckpt": {},
+    "pipe": {"train_batch_size": 8},
     "universal": {"checkpoint": {"load_universal": True}},
 }
 """Each row's DeepSpeed settings (``offload_param`` goes inside ``zero_optimization``; ``moe`` is
 the model: :func:`_model`)."""
-COMPARED_WITH_DEEPSPEED = ("clip", "moe")
+COMPARED_WITH_DEEPSPEED = ("clip", "moe", "pipe")
 """The rows whose oracle is plain DeepSpeed with the same feature, within the plugin's own
 distance to plain DeepSpeed without it (doubled, plus 1e-3)."""
 NO_REDUCE_SCATTER = ("prescale", "predivide", "unscaled")
@@ -98,6 +100,10 @@ def _model(feature: str | None) -> Any:
 
     from zerohooks.testing.toy import TinyNet, make_model
 
+    if feature == "actckpt":
+        return _checkpointed_model()
+    if feature == "pipe":
+        return _pipeline_model()
     if feature != "moe":
         return make_model(mult=4)
     from deepspeed.moe.layer import MoE
@@ -126,9 +132,69 @@ def _model(feature: str | None) -> Any:
     return MoENet()
 
 
+def _checkpointed_model() -> Any:
+    """The toy model with its hidden block under ``deepspeed.checkpointing.checkpoint`` (the
+    same weights and math as :func:`~zerohooks.testing.toy.make_model`)."""
+    import deepspeed
+    import torch
+    from torch import nn
+
+    from zerohooks.testing.toy import TinyNet
+
+    class Checkpointed(TinyNet):
+        def block(self, h: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = nn.functional.gelu(self.norm(self.fc1(h)))
+            return out
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            h = deepspeed.checkpointing.checkpoint(self.block, self.emb(tokens).mean(dim=1))
+            out: torch.Tensor = self.fc2(h)
+            return out
+
+    deepspeed.checkpointing.configure(None, partition_activations=False, checkpoint_in_cpu=False)
+    torch.manual_seed(0)
+    return Checkpointed(mult=4)
+
+
+def _pipeline_model() -> Any:
+    """The toy model's layers as a 2-stage ``deepspeed.pipe.PipelineModule`` (one stage a rank)."""
+    import torch
+    from deepspeed.pipe import PipelineModule
+    from torch import nn
+
+    from zerohooks.testing.toy import make_model
+
+    class EmbMean(nn.Module):
+        def __init__(self, emb: nn.Embedding) -> None:
+            super().__init__()
+            self.emb = emb
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.emb(tokens).mean(dim=1)
+
+    class Gelu(nn.Module):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return nn.functional.gelu(h)
+
+    def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.float(), target)
+
+    toy = make_model(mult=4)
+    layers = [EmbMean(toy.emb), toy.fc1, toy.norm, Gelu(), toy.fc2]
+    return PipelineModule(layers=layers, num_stages=2, loss_fn=loss, partition_method="uniform")
+
+
+def _train_pipeline(engine: Any) -> list[float]:
+    """:data:`STEPS` ``train_batch`` calls of :data:`GAS` micro-batches (the same on both ranks:
+    one data-parallel replica); every step's loss."""
+    from zerohooks.testing.toy import batch
+
+    return [float(engine.train_batch(iter([batch(s, m, 0) for m in range(GAS)]))) for s in range(STEPS)]
+
+
 def _parameters(model: Any, feature: str | None) -> Any:
     if feature != "moe":
-        return model.parameters()
+        return list(model.parameters())
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     return split_params_into_different_moe_groups_for_optimizer(
@@ -154,7 +220,9 @@ def _plan() -> tuple[list[tuple[str, int, str | None]], list[tuple[str, str, int
 
     for (row, column), cell in compat_matrix.MATRIX.items():
         if cell.kind == "refused":
-            stage = 3 if column == "nvmeswap" or row == "offload_param" else 2
+            # nvmeswap and parameter offload need ZeRO 3; pipelines are refused by the plugin on ZeRO 1
+            # (on ZeRO 2/3 zerohooks refuses them first, for DeepSpeed)
+            stage = 3 if column == "nvmeswap" or row == "offload_param" else 1 if row == "pipe" else 2
             refused.append((row, column, stage))
             continue
         for stage in cell.stages:
@@ -168,6 +236,9 @@ def _plan() -> tuple[list[tuple[str, int, str | None]], list[tuple[str, str, int
             else:
                 need((column, stage, row))
                 need((column, stage, _without(row)))
+    # a pipeline engine leaves DeepSpeed's process-wide groups set for model parallelism: an engine
+    # built after it in the same rank fails (no mpu), so the pipelines train last
+    runs.sort(key=lambda run: run[2] == "pipe")
     return runs, refused
 
 
@@ -190,7 +261,7 @@ def _run_all(tmp: str, runs: list[tuple[str, int, str | None]], refused: list[tu
         engine, *_ = zerohooks.initialize(
             model=model, model_parameters=_parameters(model, feature), config=cfg
         )
-        losses = train(engine, STEPS, GAS)
+        losses = _train_pipeline(engine) if feature == "pipe" else train(engine, STEPS, GAS)
         norm = engine.get_global_grad_norm()
         found = {"losses": losses, "norm": float(norm)}
         if feature == "moe":
@@ -230,6 +301,7 @@ def test_table_is_whole() -> None:
         assert row.key in FEATURES, row.key
         for column, cell in row.cells.items():
             assert cell.text and "\n" not in cell.text, (row.key, column)
+            assert cell.tolerance >= 0.0, (row.key, column)
             if cell.kind == "refused":
                 assert cell.keywords and not cell.stages, (row.key, column)
             else:
@@ -282,7 +354,8 @@ def test_trained_cells_match_their_oracle(found: list[dict[str, Any]]) -> None:
                         tol,
                     )
                 else:
-                    assert got == _losses(rank, column, stage, _without(row)), (row, column, stage)
+                    want = _losses(rank, column, stage, _without(row))
+                    assert _dist(got, want) <= cell.tolerance, (row, column, stage, got, want)
             if row == "clip" and column != "nvmeswap":
                 for rank in found:
                     ds_clip, ds = _losses(rank, "none", stage, "clip"), _losses(rank, "none", stage, None)

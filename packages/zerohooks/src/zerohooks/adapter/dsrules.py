@@ -14,8 +14,10 @@ from zerohooks.errors import ConfigError
 
 __all__ = [
     "check_moe_stage",
+    "check_pipeline_stage",
     "check_zero_optimizer",
     "deepspeed_config_keys",
+    "is_pipeline_model",
     "refuse_duplicate_keys",
 ]
 
@@ -117,4 +119,26 @@ def check_moe_stage(model: Any, stage: int, plugins: tuple[str, ...]) -> None:
         f"with the plugins {', '.join(plugins)}: DeepSpeed refuses native MoE on ZeRO 3 once the engine "
         "is built; use ZeRO stage 1 or 2 (nvmeswap, which needs ZeRO 3, then cannot be used: "
         'offload the optimizer with "offload_optimizer": {"device": "cpu"} instead)'
+    )
+
+
+def is_pipeline_model(model: Any) -> bool:
+    """Whether ``model`` is a DeepSpeed pipeline (``deepspeed.pipe.PipelineModule``): a plugin
+    that cannot run one asks here instead of naming DeepSpeed's class itself."""
+    from deepspeed.pipe import PipelineModule
+
+    return isinstance(model, PipelineModule)
+
+
+def check_pipeline_stage(model: Any, stage: int, plugins: tuple[str, ...]) -> None:
+    """Refuse, before DeepSpeed builds anything, a ``deepspeed.pipe.PipelineModule`` on ZeRO 2 or
+    3, which DeepSpeed 0.19.8 refuses while building the engine (its ``AssertionError`` "ZeRO-2
+    and ZeRO-3 are incompatible with pipeline parallelism"); ``plugins`` are named in the error."""
+    if stage < 2 or not is_pipeline_model(model):
+        return
+    raise ConfigError(
+        f"the model is a DeepSpeed PipelineModule and zero_optimization.stage is {stage} with the plugins "
+        f"{', '.join(plugins)}: DeepSpeed refuses pipeline parallelism on ZeRO 2 and 3 once the engine is "
+        "built; use ZeRO stage 1 (nvmeswap, which needs ZeRO 3, then cannot be used: offload the "
+        'optimizer with "offload_optimizer": {"device": "cpu"} instead)'
     )
