@@ -24,7 +24,6 @@ from zerohooks.hookspec import SetupContext
 __all__ = [
     "DeepSpeedSettings",
     "engine_context",
-    "is_pipeline_model",
     "read_settings",
     "refuse_universal_load",
     "set_communication_data_type",
