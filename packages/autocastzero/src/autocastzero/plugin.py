@@ -23,6 +23,7 @@ from autocastzero.scaling import (
 from autocastzero.select import safe_parameters, warn_if_nothing_safe
 from zerohooks import PluginConfig, SetupContext, StepContext, ZeroPlugin
 from zerohooks.adapter import seams
+from zerohooks.dsconfig import read_settings, refuse_universal_load
 from zerohooks.hookspec import AfterStepHook, GatherDtypeHook, PrepareModelHook, ReduceDtypeHook
 from zerohooks.registry import HookRegistry
 
@@ -117,6 +118,11 @@ class AutocastZeroPlugin(ZeroPlugin):
 
     @override
     def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
+        refuse_universal_load(
+            read_settings(ds_config),
+            "autocastzero",
+            "its loss-scaler state is saved per rank and ds_to_universal does not convert it (untested)",
+        )
         check_deepspeed_config(self.cfg, ds_config)
 
     @override

@@ -27,7 +27,7 @@ from zerohooks import (
     next_loss_scale,
 )
 from zerohooks.adapter import seams
-from zerohooks.dsconfig import read_settings
+from zerohooks.dsconfig import read_settings, refuse_universal_load
 from zerohooks.registry import HookRegistry
 
 __all__ = ["LocoGatherer", "LocoPlugin", "LocoReducer", "param_key"]
@@ -200,6 +200,17 @@ class LocoPlugin(ZeroPlugin):
                 "size), so pre-scaling would be ignored (and DeepSpeed refuses it on ZeRO 2/3 with "
                 "reduce_scatter); remove prescale_gradients or set it to false"
             )
+        if settings.ulysses_size not in (None, 1):
+            raise ConfigError(
+                f"sequence_parallel_size is {settings.ulysses_size!r}: loco owns the gradient "
+                "collective and does not span DeepSpeed's sequence-parallel groups (Ulysses); remove "
+                "sequence_parallel_size (or the loco section)"
+            )
+        refuse_universal_load(
+            settings,
+            "loco",
+            "its error-feedback buffers are saved per rank and ds_to_universal does not convert them",
+        )
         if "zero_quantized_gradients" in settings.quantized:
             raise ConfigError(
                 "loco owns the gradient collective and replaces ZeRO++'s quantized gradients: remove "

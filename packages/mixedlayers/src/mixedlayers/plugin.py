@@ -36,7 +36,8 @@ from mixedlayers.under_autocast import AUTOCAST_PLUGIN, install_autocast_off, re
 from mixedlayers.zero3 import restore_zero3
 from mixedlayers.zero12 import fp32_accumulation_by_config, install_fp32_accumulation, install_fp32_staging
 from zerohooks import ConfigError, PluginConfig, SetupContext, ZeroPlugin
-from zerohooks.dsconfig import set_grad_accum_dtype
+from zerohooks.adapter.dsrules import is_pipeline_model
+from zerohooks.dsconfig import read_settings, refuse_universal_load, set_grad_accum_dtype
 from zerohooks.hookspec import GatherDtypeHook, PrepareModelHook, PrepareParametersHook, ReduceDtypeHook
 from zerohooks.registry import FIRST, LAST, HookRegistry
 
@@ -81,6 +82,11 @@ class MixedLayersPlugin(ZeroPlugin):
 
     @override
     def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
+        refuse_universal_load(
+            read_settings(ds_config),
+            "mixedlayers",
+            "ds_to_universal's conversion of a model with fp32 modules inside a 16-bit model is untested",
+        )
         ctx = self.deepspeed
         if self.under_autocast:
             return  # autocastzero refuses DeepSpeed's bf16/fp16 sections; parameters stay fp32
@@ -176,8 +182,18 @@ def _mark_prepared(model: nn.Module) -> None:
         _PREPARED[p] = True
 
 
+def _refuse_pipeline(model: nn.Module) -> None:
+    if is_pipeline_model(model):
+        raise ConfigError(
+            "mixedlayers does not support DeepSpeed pipelines (the model is a PipelineModule): probed on 2 "
+            "ranks, the pipeline's first step hangs; remove the mixedlayers section to train the pipeline, "
+            "or build the model as one module (no PipelineModule) to keep layers in fp32"
+        )
+
+
 def _prepare_model(cfg: MixedLayersConfig, state: MixedState) -> PrepareModelHook:
     def prepare_model(model: nn.Module, ctx: SetupContext) -> nn.Module | None:
+        _refuse_pipeline(model)
         _refuse_prepared_model(model)
         if any(hasattr(p, "ds_id") for p in model.parameters()):
             raise ConfigError(
@@ -205,6 +221,7 @@ def _prepare_under_autocast(
     cfg: MixedLayersConfig, state: MixedState, contexts: list[Any]
 ) -> PrepareModelHook:
     def prepare_model(model: nn.Module, ctx: SetupContext) -> nn.Module | None:
+        _refuse_pipeline(model)
         _refuse_prepared_model(model)
         selected = add_sharers(model, select_modules(model, cfg))
         record_kept(state, selected)

@@ -7,6 +7,7 @@ from typing import Any, ClassVar, Literal
 import pydantic
 
 from zerohooks import ConfigError, PluginConfig
+from zerohooks.dsconfig import DeepSpeedSettings, refuse_universal_load
 from zerohooks.strict import MAX_NUMEL
 
 __all__ = [
@@ -88,6 +89,34 @@ class NvmeSwapConfig(PluginConfig):
         if isinstance(value, bool) or value == "when_supported":
             return value
         raise ValueError('use true, false or "when_supported"')
+
+
+def check_deepspeed_features(settings: DeepSpeedSettings) -> None:
+    """Refuse the DeepSpeed features nvmeswap has not been tested with (the compatibility matrix
+    of the top-level README), each naming its key and what to do instead."""
+    if settings.prescale_gradients:
+        raise ConfigError(
+            f"prescale_gradients is {settings.prescale_gradients!r} with nvmeswap: DeepSpeed refuses it on "
+            "ZeRO 3 with reduce_scatter and nvmeswap is untested without reduce_scatter; remove "
+            "prescale_gradients (gradients are averaged the same way without it)"
+        )
+    if settings.gradient_predivide_factor != 1.0:
+        raise ConfigError(
+            f"gradient_predivide_factor is {settings.gradient_predivide_factor!r} with nvmeswap: DeepSpeed "
+            "refuses it on ZeRO 3 with reduce_scatter and nvmeswap is untested without reduce_scatter; "
+            "remove gradient_predivide_factor (the accepted value is 1.0, the default)"
+        )
+    if settings.ulysses_size not in (None, 1):
+        raise ConfigError(
+            f"sequence_parallel_size is {settings.ulysses_size!r} with nvmeswap: untested; remove "
+            'sequence_parallel_size, or use DeepSpeed\'s own offload_optimizer "nvme"/"cpu" without the '
+            "nvmeswap section"
+        )
+    refuse_universal_load(
+        settings,
+        "nvmeswap",
+        "its swap files and checkpoint state are per rank and ds_to_universal does not convert them",
+    )
 
 
 def rewrite_offload(ds_config: dict[str, Any], cfg: NvmeSwapConfig) -> str:

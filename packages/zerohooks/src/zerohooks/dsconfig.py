@@ -25,6 +25,7 @@ __all__ = [
     "DeepSpeedSettings",
     "engine_context",
     "read_settings",
+    "refuse_universal_load",
     "set_communication_data_type",
     "set_grad_accum_dtype",
     "setup_context",
@@ -177,6 +178,11 @@ class DeepSpeedSettings:
     """``gradient_predivide_factor`` as written (1.0 when absent: DeepSpeed's default)."""
     prescale_gradients: Any
     """``prescale_gradients`` as written (False when absent)."""
+    ulysses_size: Any = 1
+    """``sequence_parallel_size`` (Ulysses) as written (1 when absent: DeepSpeed's default)."""
+    load_universal: bool = False
+    """``checkpoint.load_universal`` is true: the engine loads universal checkpoints
+    (``ds_to_universal`` output) instead of regular ones."""
 
 
 def _switched_on(section: Any) -> bool:
@@ -202,6 +208,25 @@ def read_settings(ds_config: dict[str, Any]) -> DeepSpeedSettings:
         offload_optimizer=_device(zero, "offload_optimizer"),
         gradient_predivide_factor=ds_config.get("gradient_predivide_factor", 1.0),
         prescale_gradients=ds_config.get("prescale_gradients", False),
+        ulysses_size=ds_config.get("sequence_parallel_size", 1),
+        load_universal=_load_universal(ds_config.get("checkpoint")),
+    )
+
+
+def _load_universal(section: Any) -> bool:
+    return isinstance(section, dict) and section.get("load_universal") is True
+
+
+def refuse_universal_load(settings: DeepSpeedSettings, plugin: str, why: str) -> None:
+    """Raise a :class:`ConfigError` naming ``plugin`` and ``why`` (one clause) when ``settings``
+    load universal checkpoints (``"checkpoint": {"load_universal": true}``), a combination the
+    plugins have not been tested with (the compatibility matrix of the top-level README)."""
+    if not settings.load_universal:
+        return
+    raise ConfigError(
+        f'"checkpoint": {{"load_universal": true}} is not supported with {plugin}: {why}; load a '
+        "regular checkpoint on the same number of ranks, or load the universal checkpoint without "
+        f'the "{plugin}" section'
     )
 
 

@@ -12,7 +12,14 @@ from typing import Any
 
 from zerohooks.errors import ConfigError
 
-__all__ = ["check_zero_optimizer", "deepspeed_config_keys", "refuse_duplicate_keys"]
+__all__ = [
+    "check_moe_stage",
+    "check_pipeline_stage",
+    "check_zero_optimizer",
+    "deepspeed_config_keys",
+    "is_pipeline_model",
+    "refuse_duplicate_keys",
+]
 
 
 def refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -92,4 +99,46 @@ def check_zero_optimizer(ds_config: dict[str, Any], optimizer: Any, stage: int) 
         f"Use a tested one (optimizer.type {tested}; or an object of torch.optim.Adam, AdamW or Adagrad, "
         'or DeepSpeed\'s DeepSpeedCPUAdam/FusedAdam), or set "zero_allow_untested_optimizer": true at the '
         "top level of the DeepSpeed config to run it anyway"
+    )
+
+
+def check_moe_stage(model: Any, stage: int, plugins: tuple[str, ...]) -> None:
+    """Refuse, before DeepSpeed builds anything, DeepSpeed's native MoE layers
+    (``deepspeed.moe.layer.MoE``) on ZeRO 3, which DeepSpeed 0.19.8 refuses once the engine is
+    being built (its ``AssertionError`` "Native DeepSpeed MoE is not supported with ZeRO Stage
+    3"); ``plugins`` (the enabled ones) are named in the error."""
+    import torch
+    from deepspeed.moe.layer import MoE
+
+    if stage != 3 or not isinstance(model, torch.nn.Module):
+        return
+    if not any(isinstance(m, MoE) for m in model.modules()):
+        return
+    raise ConfigError(
+        f"the model holds DeepSpeed MoE layers (deepspeed.moe.layer.MoE) and zero_optimization.stage is 3 "
+        f"with the plugins {', '.join(plugins)}: DeepSpeed refuses native MoE on ZeRO 3 once the engine "
+        "is built; use ZeRO stage 1 or 2 (nvmeswap, which needs ZeRO 3, then cannot be used: "
+        'offload the optimizer with "offload_optimizer": {"device": "cpu"} instead)'
+    )
+
+
+def is_pipeline_model(model: Any) -> bool:
+    """Whether ``model`` is a DeepSpeed pipeline (``deepspeed.pipe.PipelineModule``): a plugin
+    that cannot run one asks here instead of naming DeepSpeed's class itself."""
+    from deepspeed.pipe import PipelineModule
+
+    return isinstance(model, PipelineModule)
+
+
+def check_pipeline_stage(model: Any, stage: int, plugins: tuple[str, ...]) -> None:
+    """Refuse, before DeepSpeed builds anything, a ``deepspeed.pipe.PipelineModule`` on ZeRO 2 or
+    3, which DeepSpeed 0.19.8 refuses while building the engine (its ``AssertionError`` "ZeRO-2
+    and ZeRO-3 are incompatible with pipeline parallelism"); ``plugins`` are named in the error."""
+    if stage < 2 or not is_pipeline_model(model):
+        return
+    raise ConfigError(
+        f"the model is a DeepSpeed PipelineModule and zero_optimization.stage is {stage} with the plugins "
+        f"{', '.join(plugins)}: DeepSpeed refuses pipeline parallelism on ZeRO 2 and 3 once the engine is "
+        "built; use ZeRO stage 1 (nvmeswap, which needs ZeRO 3, then cannot be used: offload the "
+        'optimizer with "offload_optimizer": {"device": "cpu"} instead)'
     )

@@ -144,6 +144,10 @@ SEAMS: dict[str, tuple[Internal, ...]] = {
         # (adapter.dsrules.check_zero_optimizer), by DeepSpeed's own lists
         *_entries("engine", "deepspeed.runtime.config", (1, 2, 3), read="DEEPSPEED_OPTIMIZERS"),
         *_entries("engine", "deepspeed.runtime.zero.utils", (1, 2, 3), read="ZERO_SUPPORTED_OPTIMIZERS"),
+        # native MoE on ZeRO 3, which DeepSpeed refuses once building, is refused before
+        # (dsrules.check_moe_stage)
+        *_entries("engine", "deepspeed.moe.layer", (3,), read="MoE"),
+        *_entries("engine", "deepspeed.pipe", (2, 3), read="PipelineModule"),
         *_entries("engine", "deepspeed.runtime.zero.config", _ALL, optional="ZeroStageEnum"),
     ),
     # -- checkpoints: saved and loaded through the adapter (adapter/checkpoint.py, dsfiles, ckptwrite)

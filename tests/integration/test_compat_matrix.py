@@ -1,0 +1,387 @@
+"""The compatibility matrix (``tools/compat_matrix.py``), checked cell by cell on 2 gloo ranks.
+
+One launch of 2 ranks builds every engine the matrix needs (each configuration once, oracles
+shared between cells) and tries every refused configuration; the tests then judge each cell:
+
+* ``works``/``limit`` cells train and match their oracle: gradient clipping against plain
+  DeepSpeed with the same clipping (AdamW with ``eps`` 1.0, so the update follows the gradient's
+  size and clipping shows in the losses; the tolerance is the plugin's own distance to plain
+  DeepSpeed without clipping), the math-neutral features (``prescale_gradients``,
+  ``gradient_predivide_factor``, ``offload_param``, ``sequence_parallel_size``) against the same
+  plugin without them (identical losses), nvmeswap against DeepSpeed's CPU optimizer offload with
+  the same feature (identical losses);
+* ``refused`` cells raise zerohooks' ``ConfigError`` at ``initialize`` naming the plugin and the
+  DeepSpeed key, and saying what to do instead;
+* the README's matrix (top level and each package) is the table rendered.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+import compat_matrix  # noqa: E402
+
+PLUGINS = ("accumdtype", "autocastzero", "mixedlayers", "loco", "nvmeswap")
+STEPS, GAS = 3, 2
+MIXED = {"fp32_modules": ["fc2"], "fp32_module_types": ["torch.nn.LayerNorm"]}
+SECTIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    "none": ("bf16", {}),
+    "accumdtype": ("bf16", {"accumdtype": {"dtype": "fp32"}}),
+    "autocastzero": ("fp32", {"autocastzero": {"dtype": "bfloat16"}}),
+    "mixedlayers": ("bf16", {"mixedlayers": MIXED}),
+    "loco": ("bf16", {"loco": {"exact_below": 0}}),
+    "all": ("bf16", {"accumdtype": {"dtype": "fp32"}, "mixedlayers": MIXED, "loco": {"exact_below": 0}}),
+}
+"""Each column's plugin sections on the toy model (``none``: plain DeepSpeed, the oracle)."""
+CLIP = 0.05
+FEATURES: dict[str, dict[str, Any]] = {
+    "clip": {"gradient_clipping": CLIP},
+    "prescale": {"prescale_gradients": True},
+    "predivide": {"gradient_predivide_factor": 2.0},
+    "offload_param": {"offload_param": {"device": "cpu"}},
+    "sp": {"sequence_parallel_size": 2},
+    "moe": {},
+    "actckpt": {},
+    "pipe": {"train_batch_size": 8},
+    "universal": {"checkpoint": {"load_universal": True}},
+}
+"""Each row's DeepSpeed settings (``offload_param`` goes inside ``zero_optimization``; ``moe`` is
+the model: :func:`_model`)."""
+COMPARED_WITH_DEEPSPEED = ("clip", "moe", "pipe")
+"""The rows whose oracle is plain DeepSpeed with the same feature, within the plugin's own
+distance to plain DeepSpeed without it (doubled, plus 1e-3)."""
+NO_REDUCE_SCATTER = ("prescale", "predivide", "unscaled")
+"""The runs with ``zero_optimization.reduce_scatter`` false (DeepSpeed refuses pre-scaling and
+pre-division with it on ZeRO 2/3): the two rows, and ``unscaled``, their oracle without either."""
+
+
+def _config(column: str, stage: int, feature: str | None, folder: str) -> dict[str, Any]:
+    """The DeepSpeed config of one run: ``column``'s plugins, ``feature`` on or off."""
+    from zerohooks.testing.toy import ds_config
+
+    extra = dict(FEATURES[feature]) if feature in FEATURES else {}
+    zero: dict[str, Any] = {"stage": stage}
+    if "offload_param" in extra:
+        zero["offload_param"] = extra.pop("offload_param")
+    if feature in NO_REDUCE_SCATTER:
+        zero["reduce_scatter"] = False
+    if column in ("nvmeswap", "nvme-oracle"):
+        zero["sub_group_size"] = 2000
+        zero["offload_optimizer"] = {
+            "device": "nvme" if column == "nvmeswap" else "cpu",
+            "nvme_path": folder,
+            "pin_memory": False,
+        }
+        dtype, sections = "bf16", ({"nvmeswap": {}} if column == "nvmeswap" else {})
+        extra["zero_force_ds_cpu_optimizer"] = False
+    else:
+        dtype, sections = SECTIONS[column]
+    # eps 1.0: AdamW's update follows the gradient's size, so clipping changes the losses
+    optimizer = {"type": "AdamW", "params": {"lr": 0.5, "eps": 1.0, "torch_adam": True}}
+    return ds_config(
+        stage, dtype, gas=GAS, sections=sections, optimizer=optimizer, zero_optimization=zero, **extra
+    )
+
+
+def _model(feature: str | None) -> Any:
+    """The toy model, or for ``moe`` the toy model with a 2-expert DeepSpeed MoE layer
+    (``ep_size`` 2: one expert per rank, same initial weights on both, no token dropped)."""
+    import torch
+    from torch import nn
+
+    from zerohooks.testing.toy import TinyNet, make_model
+
+    if feature == "actckpt":
+        return _checkpointed_model()
+    if feature == "pipe":
+        return _pipeline_model()
+    if feature != "moe":
+        return make_model(mult=4)
+    from deepspeed.moe.layer import MoE
+
+    class MoENet(TinyNet):
+        def __init__(self) -> None:
+            super().__init__(mult=4)
+            width = self.fc2.in_features
+            self.moe = MoE(
+                width,
+                nn.Linear(width, width),
+                num_experts=2,
+                ep_size=2,
+                k=1,
+                min_capacity=0,
+                drop_tokens=False,
+            )
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            h = nn.functional.gelu(self.norm(self.fc1(self.emb(tokens).mean(dim=1))))
+            mixed, _aux, _counts = self.moe(h)
+            out: torch.Tensor = self.fc2(h + mixed)
+            return out
+
+    torch.manual_seed(0)
+    return MoENet()
+
+
+def _checkpointed_model() -> Any:
+    """The toy model with its hidden block under ``deepspeed.checkpointing.checkpoint`` (the
+    same weights and math as :func:`~zerohooks.testing.toy.make_model`)."""
+    import deepspeed
+    import torch
+    from torch import nn
+
+    from zerohooks.testing.toy import TinyNet
+
+    class Checkpointed(TinyNet):
+        def block(self, h: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = nn.functional.gelu(self.norm(self.fc1(h)))
+            return out
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            h = deepspeed.checkpointing.checkpoint(self.block, self.emb(tokens).mean(dim=1))
+            out: torch.Tensor = self.fc2(h)
+            return out
+
+    deepspeed.checkpointing.configure(None, partition_activations=False, checkpoint_in_cpu=False)
+    torch.manual_seed(0)
+    return Checkpointed(mult=4)
+
+
+def _pipeline_model() -> Any:
+    """The toy model's layers as a 2-stage ``deepspeed.pipe.PipelineModule`` (one stage a rank)."""
+    import torch
+    from deepspeed.pipe import PipelineModule
+    from torch import nn
+
+    from zerohooks.testing.toy import make_model
+
+    class EmbMean(nn.Module):
+        def __init__(self, emb: nn.Embedding) -> None:
+            super().__init__()
+            self.emb = emb
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.emb(tokens).mean(dim=1)
+
+    class Gelu(nn.Module):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return nn.functional.gelu(h)
+
+    def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.float(), target)
+
+    toy = make_model(mult=4)
+    layers = [EmbMean(toy.emb), toy.fc1, toy.norm, Gelu(), toy.fc2]
+    return PipelineModule(layers=layers, num_stages=2, loss_fn=loss, partition_method="uniform")
+
+
+def _train_pipeline(engine: Any) -> list[float]:
+    """:data:`STEPS` ``train_batch`` calls of :data:`GAS` micro-batches (the same on both ranks:
+    one data-parallel replica); every step's loss."""
+    from zerohooks.testing.toy import batch
+
+    return [float(engine.train_batch(iter([batch(s, m, 0) for m in range(GAS)]))) for s in range(STEPS)]
+
+
+def _parameters(model: Any, feature: str | None) -> Any:
+    if feature != "moe":
+        return list(model.parameters())
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    return split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(model.parameters()), "name": "all"}
+    )
+
+
+def _expert(model: Any) -> list[float]:
+    """The local expert's weight (ZeRO 1/2: whole on its rank)."""
+    (expert,) = model.moe.deepspeed_moe.experts.deepspeed_experts
+    return [float(v) for v in expert.weight.detach().float().flatten()]
+
+
+def _plan() -> tuple[list[tuple[str, int, str | None]], list[tuple[str, str, int]]]:
+    """Every training run the works/limit cells need (column, stage, feature), each once, and
+    every refused cell (row, column, stage)."""
+    runs: list[tuple[str, int, str | None]] = []
+    refused: list[tuple[str, str, int]] = []
+
+    def need(run: tuple[str, int, str | None]) -> None:
+        if run not in runs:
+            runs.append(run)
+
+    for (row, column), cell in compat_matrix.MATRIX.items():
+        if cell.kind == "refused":
+            # nvmeswap and parameter offload need ZeRO 3; pipelines are refused by the plugin on ZeRO 1
+            # (on ZeRO 2/3 zerohooks refuses them first, for DeepSpeed)
+            stage = 3 if column == "nvmeswap" or row == "offload_param" else 1 if row == "pipe" else 2
+            refused.append((row, column, stage))
+            continue
+        for stage in cell.stages:
+            if column == "nvmeswap":
+                need((column, stage, row))
+                need(("nvme-oracle", stage, row))
+            elif row in COMPARED_WITH_DEEPSPEED:
+                for col in (column, "none"):
+                    need((col, stage, row))
+                    need((col, stage, None))
+            else:
+                need((column, stage, row))
+                need((column, stage, _without(row)))
+    # a pipeline engine leaves DeepSpeed's process-wide groups set for model parallelism: an engine
+    # built after it in the same rank fails (no mpu), so the pipelines train last
+    runs.sort(key=lambda run: run[2] == "pipe")
+    return runs, refused
+
+
+def _without(row: str) -> str | None:
+    """The feature of the run a math-neutral row is compared with (the same plugin without it)."""
+    return "unscaled" if row in NO_REDUCE_SCATTER else None
+
+
+def _run_all(tmp: str, runs: list[tuple[str, int, str | None]], refused: list[tuple[str, str, int]]) -> str:
+    import zerohooks
+    from zerohooks import ConfigError
+    from zerohooks.testing.toy import train
+
+    rank = int(os.environ["RANK"])
+    trained: dict[str, Any] = {}
+    for i, (column, stage, feature) in enumerate(runs):
+        folder = f"{tmp}/run{i}/r{rank}"
+        model = _model(feature)
+        cfg = _config(column, stage, feature, folder)
+        engine, *_ = zerohooks.initialize(
+            model=model, model_parameters=_parameters(model, feature), config=cfg
+        )
+        losses = _train_pipeline(engine) if feature == "pipe" else train(engine, STEPS, GAS)
+        norm = engine.get_global_grad_norm()
+        found = {"losses": losses, "norm": float(norm)}
+        if feature == "moe":
+            found["expert"] = _expert(model)
+        trained[json.dumps([column, stage, feature])] = found
+        if zerohooks.attachment(engine) is not None:
+            zerohooks.detach(engine)
+    errors: dict[str, Any] = {}
+    for row, column, stage in refused:
+        folder = f"{tmp}/refused/r{rank}"
+        model = _model(row)
+        cfg = _config(column, stage, row, folder)
+        try:
+            zerohooks.initialize(model=model, model_parameters=_parameters(model, row), config=cfg)
+        except ConfigError as e:
+            errors[json.dumps([row, column])] = str(e)
+        else:
+            errors[json.dumps([row, column])] = None
+    return json.dumps({"trained": trained, "errors": errors})
+
+
+@pytest.fixture(scope="module")
+def found(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    for name in PLUGINS:
+        pytest.importorskip(name)
+    from zerohooks.testing import run_distributed
+
+    runs, refused = _plan()
+    tmp = str(tmp_path_factory.mktemp("compat"))
+    return [json.loads(r) for r in run_distributed(_run_all, 2, args=(tmp, runs, refused), timeout=1200)]
+
+
+def test_table_is_whole() -> None:
+    """Every row has every column; a trained claim names its stages; a refusal its key words."""
+    for row in compat_matrix.ROWS:
+        assert set(row.cells) == set(compat_matrix.COLUMNS), row.key
+        assert row.key in FEATURES, row.key
+        for column, cell in row.cells.items():
+            assert cell.text and "\n" not in cell.text, (row.key, column)
+            assert cell.tolerance >= 0.0, (row.key, column)
+            if cell.kind == "refused":
+                assert cell.keywords and not cell.stages, (row.key, column)
+            else:
+                assert cell.stages and set(cell.stages) <= {0, 1, 2, 3}, (row.key, column)
+
+
+def test_readmes_show_the_table() -> None:
+    bad = compat_matrix.check()
+    assert not bad, f"{bad}: run python tools/compat_matrix.py --write"
+
+
+def _losses(rank: dict[str, Any], column: str, stage: int, feature: str | None) -> list[float]:
+    return list(rank["trained"][json.dumps([column, stage, feature])]["losses"])
+
+
+def _dist(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def _tolerance(rank: dict[str, Any], column: str, stage: int) -> float:
+    """The plugin's own distance to plain DeepSpeed on the toy model without any feature,
+    doubled, plus 1e-3: how far from plain DeepSpeed a feature may leave it."""
+    return 2 * _dist(_losses(rank, column, stage, None), _losses(rank, "none", stage, None)) + 1e-3
+
+
+def _spread(found: list[dict[str, Any]], column: str, stage: int) -> float:
+    """How far apart the two ranks' experts ended (they start equal)."""
+    e0, e1 = (rank["trained"][json.dumps([column, stage, "moe"])]["expert"] for rank in found)
+    return _dist(e0, e1)
+
+
+@pytest.mark.multirank
+def test_trained_cells_match_their_oracle(found: list[dict[str, Any]]) -> None:
+    for (row, column), cell in compat_matrix.MATRIX.items():
+        if cell.kind == "refused":
+            continue
+        for stage in cell.stages:
+            for rank in found:
+                got = _losses(rank, column, stage, row)
+                assert all(math.isfinite(v) for v in got), (row, column, stage, got)
+                if column == "nvmeswap":
+                    assert got == _losses(rank, "nvme-oracle", stage, row), (row, stage)
+                elif row in COMPARED_WITH_DEEPSPEED:
+                    tol = _tolerance(rank, column, stage)
+                    assert _dist(got, _losses(rank, "none", stage, row)) <= tol, (
+                        row,
+                        column,
+                        stage,
+                        got,
+                        tol,
+                    )
+                else:
+                    want = _losses(rank, column, stage, _without(row))
+                    assert _dist(got, want) <= cell.tolerance, (row, column, stage, got, want)
+            if row == "clip" and column != "nvmeswap":
+                for rank in found:
+                    ds_clip, ds = _losses(rank, "none", stage, "clip"), _losses(rank, "none", stage, None)
+                    # the test can fail: clipping moves plain DeepSpeed's losses well beyond the tolerance
+                    tol = _tolerance(rank, column, stage)
+                    assert _dist(ds_clip, ds) > 3 * tol, (column, stage, _dist(ds_clip, ds), tol)
+                    norm = rank["trained"][json.dumps([column, stage, row])]["norm"]
+                    ds_norm = rank["trained"][json.dumps(["none", stage, row])]["norm"]
+                    assert math.isclose(norm, ds_norm, rel_tol=0.1), (column, stage, norm, ds_norm)
+            if row == "moe":
+                # experts reduced within their own (one-rank) groups move apart as in plain
+                # DeepSpeed; reduced across the world they would stay equal
+                ds, got = _spread(found, "none", stage), _spread(found, column, stage)
+                assert ds > 0 and 0.5 * ds <= got <= 2 * ds, (column, stage, got, ds)
+
+
+@pytest.mark.multirank
+def test_refused_cells_raise_our_error(found: list[dict[str, Any]]) -> None:
+    for rank in found:
+        for (row, column), cell in compat_matrix.MATRIX.items():
+            if cell.kind != "refused":
+                continue
+            message = rank["errors"][json.dumps([row, column])]
+            assert message is not None, f"{row} with {column}: initialize accepted it"
+            names = ("accumdtype", "mixedlayers", "loco") if column == "all" else (column,)
+            assert any(n in message for n in names), (row, column, message)
+            for word in cell.keywords:
+                assert word in message, (row, column, word, message)
+            assert any(w in message for w in ("remove", "use ", "load a regular")), (row, column, message)
