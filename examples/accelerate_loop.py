@@ -23,17 +23,12 @@ It prints rank 0's per-micro-step losses and what each plugin did.
 
 from __future__ import annotations
 
-import argparse
-import os
 import tempfile
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from framework_report import (
     before_distributed,
-    common_arguments,
     ds_config,
+    example_parser,
     on_gpu,
     report,
     tiny_gpt2,
@@ -42,10 +37,7 @@ from framework_report import (
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    common_arguments(parser)
+    parser = example_parser(__doc__)
     args = parser.parse_args()
 
     before_distributed()

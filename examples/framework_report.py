@@ -10,7 +10,19 @@ from typing import Any
 
 import torch
 
+# The examples run offline (the tiny GPT-2 is built here, nothing is downloaded): set before they
+# import transformers, which they do after this module.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
 VOCAB, SEQ, SAMPLES = 128, 32, 256
+
+
+def example_parser(doc: str | None) -> argparse.ArgumentParser:
+    """An example's command line: its docstring as the help, then :func:`common_arguments`."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common_arguments(parser)
+    return parser
 
 
 def common_arguments(parser: argparse.ArgumentParser) -> None:

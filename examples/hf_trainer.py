@@ -22,18 +22,13 @@ section then), ``nvmeswap`` (ZeRO 3, optimizer state in ``--nvme-path``).
 
 from __future__ import annotations
 
-import argparse
-import os
 import tempfile
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
 from framework_report import (
     before_distributed,
-    common_arguments,
     ds_config,
+    example_parser,
     on_gpu,
     report,
     tiny_gpt2,
@@ -42,10 +37,7 @@ from framework_report import (
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    common_arguments(parser)
+    parser = example_parser(__doc__)
     parser.add_argument(
         "--output-dir", default=None, help="Trainer's output folder (default: a temporary one)"
     )

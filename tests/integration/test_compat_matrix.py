@@ -162,25 +162,12 @@ def _pipeline_model() -> Any:
     from deepspeed.pipe import PipelineModule
     from torch import nn
 
-    from zerohooks.testing.toy import make_model
-
-    class EmbMean(nn.Module):
-        def __init__(self, emb: nn.Embedding) -> None:
-            super().__init__()
-            self.emb = emb
-
-        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-            return self.emb(tokens).mean(dim=1)
-
-    class Gelu(nn.Module):
-        def forward(self, h: torch.Tensor) -> torch.Tensor:
-            return nn.functional.gelu(h)
+    from zerohooks.testing.toy import make_model, pipeline_layers
 
     def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(logits.float(), target)
 
-    toy = make_model(mult=4)
-    layers = [EmbMean(toy.emb), toy.fc1, toy.norm, Gelu(), toy.fc2]
+    layers = pipeline_layers(make_model(mult=4))
     return PipelineModule(layers=layers, num_stages=2, loss_fn=loss, partition_method="uniform")
 
 

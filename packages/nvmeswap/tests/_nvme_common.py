@@ -441,3 +441,12 @@ def scenario_sgd(tmp: str) -> dict[str, Any]:
     ]
     zerohooks.detach(eng)
     return out
+
+
+def two_rank_results(tmp_path_factory: Any, prefix: str, scenarios: Any) -> list[dict[str, Any]]:
+    """Every rank's result of ``scenarios(tmp)`` on 2 gloo ranks, in a fresh folder named after
+    ``prefix`` (``fp16_on_cpu``: DeepSpeed's CPU accelerator accepts fp16; nothing changes for bf16)."""
+    from zerohooks.testing import run_distributed
+
+    tmp = str(tmp_path_factory.mktemp(prefix))
+    return run_distributed(scenarios, 2, args=(tmp,), timeout=1200, fp16_on_cpu=True)

@@ -5,9 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from _nvme_common import all_two_rank_scenarios
-
-from zerohooks.testing import run_distributed
+from _nvme_common import all_two_rank_scenarios, two_rank_results
 
 
 @pytest.fixture(scope="session")
@@ -31,6 +29,4 @@ def two_ranks(
     tmp_path_factory: pytest.TempPathFactory, native_engine: bool, fused_kernel: bool
 ) -> list[dict[str, Any]]:
     """Every rank's results of every 2-rank scenario (run once per test session)."""
-    tmp = str(tmp_path_factory.mktemp("nvmeswap"))
-    # fp16_on_cpu: DeepSpeed's CPU accelerator accepts fp16 (changes nothing for bf16)
-    return run_distributed(all_two_rank_scenarios, 2, args=(tmp,), timeout=1200, fp16_on_cpu=True)
+    return two_rank_results(tmp_path_factory, "nvmeswap", all_two_rank_scenarios)

@@ -16,7 +16,17 @@ from typing import Any
 
 import pytest
 import torch
-from _nvme_common import _build, _oracle_config, _state, config, masters, moments, params16, train
+from _nvme_common import (
+    _build,
+    _oracle_config,
+    _state,
+    config,
+    masters,
+    moments,
+    params16,
+    train,
+    two_rank_results,
+)
 
 from zerohooks.testing import run_distributed
 
@@ -33,6 +43,18 @@ def _config(path: str, section: dict[str, Any], **kw: Any) -> dict[str, Any]:
     cfg = config(path, nvmeswap=section, **kw)
     cfg["zero_optimization"]["reduce_bucket_size"] = BUCKET
     return cfg
+
+
+def _at_boundary(note: Any, action: Any) -> Any:
+    """A ``_run`` probe that, at the step boundary (the last backward done, the step not yet
+    run: sub-groups are read ahead), records ``note(engine)`` then does ``action(engine)``."""
+
+    def probe(engine: Any, boundary: bool) -> None:
+        if boundary:
+            note(engine)
+            action(engine)
+
+    return probe
 
 
 def _run(engine: Any, steps: int, first: int = 0, probe: Any = None) -> list[float]:
@@ -123,11 +145,7 @@ def _sequence(tmp: str, name: str, on: bool) -> dict[str, Any]:
     if name == "save_mid":  # saved between the last backward and the step
         out["losses"] = _run(eng, 2)
 
-        def save(e: Any, boundary: bool) -> None:
-            if boundary:
-                note(e)
-                e.save_checkpoint(ckpt, tag="mid")
-
+        save = _at_boundary(note, lambda e: e.save_checkpoint(ckpt, tag="mid"))
         out["losses"] += _run(eng, 1, first=2, probe=save)
         out["losses"] += _run(eng, 1, first=3)
         out["state"] = _local_after_detach(eng)
@@ -143,24 +161,17 @@ def _sequence(tmp: str, name: str, on: bool) -> dict[str, Any]:
         eng.save_checkpoint(ckpt, tag="s2")
         out["losses"] += _run(eng, 1, first=2)
 
-        def load(e: Any, boundary: bool) -> None:
-            if boundary:
-                note(e)
-                e.load_checkpoint(ckpt, tag="s2")
-                out["after_load"] = _prefetched(e)
+        def load(e: Any) -> None:
+            e.load_checkpoint(ckpt, tag="s2")
+            out["after_load"] = _prefetched(e)
 
-        out["losses"] += _run(eng, 1, first=3, probe=load)
+        out["losses"] += _run(eng, 1, first=3, probe=_at_boundary(note, load))
         out["losses"] += _run(eng, 1, first=4)
         out["state"] = _local_after_detach(eng)
     elif name == "detach_mid":  # detached between the last backward and the step
         out["losses"] = _run(eng, 2)
 
-        def detach(e: Any, boundary: bool) -> None:
-            if boundary:
-                note(e)
-                zerohooks.detach(e)
-
-        out["losses"] += _run(eng, 1, first=2, probe=detach)
+        out["losses"] += _run(eng, 1, first=2, probe=_at_boundary(note, zerohooks.detach))
         out["losses"] += _run(eng, 1, first=3)
         out["state"] = _local(eng)
     elif name == "overflow":  # fp16 steps skipped by the loss scaler after the read-ahead began
@@ -228,8 +239,7 @@ def _scenarios(tmp: str) -> dict[str, Any]:
 def overlap(
     tmp_path_factory: pytest.TempPathFactory, native_engine: bool, fused_kernel: bool
 ) -> list[dict[str, Any]]:
-    tmp = str(tmp_path_factory.mktemp("overlap"))
-    return run_distributed(_scenarios, 2, args=(tmp,), timeout=1200, fp16_on_cpu=True)
+    return two_rank_results(tmp_path_factory, "overlap", _scenarios)
 
 
 @pytest.mark.parametrize("name", ["all", "one"])

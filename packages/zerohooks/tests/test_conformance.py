@@ -40,7 +40,7 @@ from torch import nn
 
 import zerohooks
 from zerohooks.testing import distributed
-from zerohooks.testing.toy import FP16_DYNAMIC, batch, loss_fn, make_model
+from zerohooks.testing.toy import FP16_DYNAMIC, batch, loss_fn, make_model, pipeline_layers
 
 STEPS = 3
 GAS = 2
@@ -313,20 +313,11 @@ CASES: list[Case] = [
 
 
 # -- building one call -------------------------------------------------------------------------------
-class _EmbedMean(nn.Module):
-    def __init__(self, emb: nn.Embedding) -> None:
-        super().__init__()
-        self.emb = emb
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.emb(tokens).mean(dim=1)
-
-
 def _pipeline_model(world: int) -> nn.Module:
     from deepspeed.pipe import PipelineModule
 
     net = make_model()  # the same weights as TinyNet, as a sequence of layers
-    layers = [_EmbedMean(net.emb), net.fc1, net.norm, nn.GELU(), net.fc2]
+    layers = pipeline_layers(net)
     return PipelineModule(
         layers=layers,
         num_stages=world,

@@ -54,6 +54,24 @@ class TinyNet(nn.Module):
         return logits
 
 
+class _EmbedMean(nn.Module):
+    """The embedding averaged over the sequence: :class:`TinyNet`'s first layer on its own."""
+
+    def __init__(self, emb: nn.Embedding) -> None:
+        super().__init__()
+        self.emb = emb
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        mean: torch.Tensor = self.emb(tokens).mean(dim=1)
+        return mean
+
+
+def pipeline_layers(net: TinyNet) -> list[nn.Module]:
+    """``net``'s forward as a list of layers holding the same weights, for DeepSpeed's
+    ``PipelineModule`` (the same function as ``net`` when run in order)."""
+    return [_EmbedMean(net.emb), net.fc1, net.norm, nn.GELU(), net.fc2]
+
+
 def make_model(seed: int = 0, **kwargs: Any) -> TinyNet:
     """A :class:`TinyNet` with weights drawn from ``seed`` (same on every rank)."""
     torch.manual_seed(seed)
