@@ -350,7 +350,20 @@ def bucket_scenario() -> dict[str, Any]:
         setup = opt.setup_buckets
 
         def spy(setup: Any = setup, seen: dict[str, Any] = seen, opt: Any = opt) -> Any:
-            result = setup()  # the buffers exist from here until the backward's epilogue
+            made: list[tuple[int, str]] = []
+            empty = torch.empty
+
+            def counted(*args: Any, **kwargs: Any) -> torch.Tensor:  # every buffer allocated
+                t = empty(*args, **kwargs)
+                made.append((t.numel(), str(t.dtype).removeprefix("torch.")))
+                return t
+
+            torch.empty = counted  # type: ignore[assignment]
+            try:
+                result = setup()  # the buffers exist from here until the backward's epilogue
+            finally:
+                torch.empty = empty  # type: ignore[assignment]
+            seen.setdefault("allocated", sorted(made))
             seen.setdefault("buffers", {
                 str(d).removeprefix("torch."): [(b.numel(), str(b.dtype).removeprefix("torch.")) for b in bucket.buffer]
                 for d, bucket in opt.ipg_buckets.items()
@@ -361,6 +374,7 @@ def bucket_scenario() -> dict[str, Any]:
         tokens, target = batch(0, 0, _rank())
         engine.backward(loss_fn(engine, tokens, target))
         out[f"{run}_buffers"] = seen.get("buffers")
+        out[f"{run}_allocated"] = seen.get("allocated")
         opt.setup_buckets = setup
         engine.step()
         out[f"{run}_losses"] = train(engine, STEPS, GAS, first=1)

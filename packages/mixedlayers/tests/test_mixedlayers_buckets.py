@@ -35,6 +35,11 @@ def test_buffers_are_sized_to_their_buckets(buckets: list[dict[str, Any]]) -> No
             "bfloat16": [(bf16, "bfloat16")] * copies,
             "float32": [(fp32, "float32")] * copies,
         }
+        # each buffer allocated once, in its final dtype and size (no model-dtype buffer for
+        # the fp32 bucket first, then an fp32 one)
+        for run in ("fitted", "deepspeed"):
+            kept = sorted(b for bufs in res[f"{run}_buffers"].values() for b in bufs)
+            assert res[f"{run}_allocated"] == kept, run
         assert res["deepspeed_reduce_bucket_size"] == SMALL_BUCKET
         assert res["deepspeed_buffers"] == {
             "bfloat16": [(SMALL_BUCKET, "bfloat16")] * copies,

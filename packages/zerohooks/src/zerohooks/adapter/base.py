@@ -79,6 +79,12 @@ class Attachment:
         """Why nothing is installed on this engine (no plugin, and the adapter did not fit it), or None."""
         self.map_checkpoint_reads = False
         """Read DeepSpeed's checkpoint files memory-mapped (:func:`.seams.read_checkpoints_mapped`)."""
+        self.bucket_buffers_fitted = False
+        """ZeRO 1/2: the adapter allocates the IPG buffers of the buckets that need less than
+        ``reduce_bucket_size`` or are staged in their own dtype (``zero12._fit_bucket_buffers``)."""
+        self.staged_buckets: set[torch.dtype] = set()
+        """ZeRO 1/2: the communication dtypes whose buckets stage gradients in that dtype rather
+        than the model's (:func:`.seams.stage_buckets_in_own_dtype`)."""
 
     # -- patching ------------------------------------------------------------------------------
     def patch(self, obj: Any, name: str, make: Callable[[Any], Any], what: str | None = None) -> None:

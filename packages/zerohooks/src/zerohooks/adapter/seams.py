@@ -90,6 +90,10 @@ def stage_buckets_in_own_dtype(att: Attachment, dtype: torch.dtype) -> None:
     routed = [p for group in opt.bit16_groups for p in group if opt.get_param_comm_dtype(p) == dtype]
     if not routed:
         return
+    if att.bucket_buffers_fitted:
+        # the adapter allocates this bucket's buffers itself, in ``dtype`` and at its size
+        att.staged_buckets.add(dtype)
+        return
     size = min(int(opt.reduce_bucket_size), sum(p.numel() for p in routed))
     _stage_buckets(att, dtype, size)
 

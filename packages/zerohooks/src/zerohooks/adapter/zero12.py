@@ -66,28 +66,32 @@ def _fit_bucket_buffers(att: Attachment, opt: Any) -> None:
     LayerNorm gradients took 1 GB of GPU memory (mixedlayers on an H100, benchmarks/RESULTS.md).
     The buckets that need less get buffers of their size instead, allocated in DeepSpeed's place,
     same dtype and device; DeepSpeed flushes a bucket before it would overflow
-    ``reduce_bucket_size``, and the bucket never holds more than its gradients."""
+    ``reduce_bucket_size``, and the bucket never holds more than its gradients.  A bucket staged
+    in its own dtype (``att.staged_buckets``, :func:`.seams.stage_buckets_in_own_dtype`) gets its
+    buffers here in that dtype, so no buffer is allocated twice."""
     if any(not hasattr(opt, n) for n in _FIT_NEEDS):
         return
     needs = _bucket_needs(att, opt)
+    att.bucket_buffers_fitted = True
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def setup_buckets() -> Any:
             buckets = opt.ipg_buckets
             limit = int(opt.reduce_bucket_size)
-            small = [d for d in buckets if needs.get(d, limit) < limit]
-            if opt.ready_for_gradients or not opt.contiguous_gradients or not small:
+            ours = [d for d in buckets if needs.get(d, limit) < limit or d in att.staged_buckets]
+            if opt.ready_for_gradients or not opt.contiguous_gradients or not ours:
                 return original()
             order = list(buckets)
-            held = {d: buckets.pop(d) for d in small}
+            held = {d: buckets.pop(d) for d in ours}
             try:
                 result = original()
-                dtype = opt._gradient_reduction_buffer_dtype()
+                model_dtype = opt._gradient_reduction_buffer_dtype()
                 for d, bucket in held.items():
                     device = bucket.buffer[0].device if bucket.buffer else _device()
+                    dtype = d if d in att.staged_buckets else model_dtype
                     bucket.buffer.clear()
                     for _ in range(2 if opt.overlap_comm else 1):
-                        bucket.buffer.append(torch.empty(needs[d], dtype=dtype, device=device))
+                        bucket.buffer.append(torch.empty(needs.get(d, limit), dtype=dtype, device=device))
                     bucket.index = 0
             finally:
                 rest = dict(buckets)
