@@ -9,7 +9,9 @@ shared between cells) and tries every refused configuration; the tests then judg
   DeepSpeed without clipping), the math-neutral features (``prescale_gradients``,
   ``gradient_predivide_factor``, ``offload_param``, ``sequence_parallel_size``) against the same
   plugin without them (identical losses), nvmeswap against DeepSpeed's CPU optimizer offload with
-  the same feature (identical losses);
+  the same feature (identical losses); ``engine.compile`` (backend ``aot_eager``) against the
+  same plugin uncompiled (nvmeswap: plain DeepSpeed compiled), and its graph breaks (dynamo's
+  counter) against plain DeepSpeed compiled on the same stage;
 * ``refused`` cells raise zerohooks' ``ConfigError`` at ``initialize`` naming the plugin and the
   DeepSpeed key, and saying what to do instead;
 * the README's matrix (top level and each package) is the table rendered.
@@ -53,9 +55,13 @@ FEATURES: dict[str, dict[str, Any]] = {
     "actckpt": {},
     "pipe": {"train_batch_size": 8},
     "universal": {"checkpoint": {"load_universal": True}},
+    "compile": {},
 }
 """Each row's DeepSpeed settings (``offload_param`` goes inside ``zero_optimization``; ``moe`` is
-the model: :func:`_model`)."""
+the model: :func:`_model`; ``compile`` calls ``engine.compile`` after ``initialize``: :func:`_run_all`)."""
+COMPILE_BACKEND = "aot_eager"
+"""``engine.compile``'s backend on CPU: dynamo's graphs and AOTAutograd's forward/backward split
+without inductor's C++ build per graph (too slow for CI)."""
 COMPARED_WITH_DEEPSPEED = ("clip", "moe", "pipe")
 """The rows whose oracle is plain DeepSpeed with the same feature, within the plugin's own
 distance to plain DeepSpeed without it (doubled, plus 1e-3)."""
@@ -215,7 +221,7 @@ def _plan() -> tuple[list[tuple[str, int, str | None]], list[tuple[str, str, int
         for stage in cell.stages:
             if column == "nvmeswap":
                 need((column, stage, row))
-                need(("nvme-oracle", stage, row))
+                need((_nvme_oracle(row), stage, row))
             elif row in COMPARED_WITH_DEEPSPEED:
                 for col in (column, "none"):
                     need((col, stage, row))
@@ -223,10 +229,20 @@ def _plan() -> tuple[list[tuple[str, int, str | None]], list[tuple[str, str, int
             else:
                 need((column, stage, row))
                 need((column, stage, _without(row)))
+                if row == "compile":  # graph breaks and the tolerance's distance to plain DeepSpeed
+                    need(("none", stage, row))
+                    need(("none", stage, None))
     # a pipeline engine leaves DeepSpeed's process-wide groups set for model parallelism: an engine
     # built after it in the same rank fails (no mpu), so the pipelines train last
     runs.sort(key=lambda run: run[2] == "pipe")
     return runs, refused
+
+
+def _nvme_oracle(row: str) -> str:
+    """The column nvmeswap's cell in ``row`` is compared with: DeepSpeed's CPU optimizer offload,
+    or for ``compile`` plain DeepSpeed compiled (identical losses too; also the graph-break count's
+    oracle, so one ZeRO 3 compiled run fewer)."""
+    return "none" if row == "compile" else "nvme-oracle"
 
 
 def _without(row: str) -> str | None:
@@ -235,6 +251,9 @@ def _without(row: str) -> str | None:
 
 
 def _run_all(tmp: str, runs: list[tuple[str, int, str | None]], refused: list[tuple[str, str, int]]) -> str:
+    import torch
+    from torch._dynamo.utils import counters
+
     import zerohooks
     from zerohooks import ConfigError
     from zerohooks.testing.toy import train
@@ -248,9 +267,17 @@ def _run_all(tmp: str, runs: list[tuple[str, int, str | None]], refused: list[tu
         engine, *_ = zerohooks.initialize(
             model=model, model_parameters=_parameters(model, feature), config=cfg
         )
+        if feature == "compile":
+            torch._dynamo.reset()
+            counters.clear()
+            engine.compile(backend=COMPILE_BACKEND)
         losses = _train_pipeline(engine) if feature == "pipe" else train(engine, STEPS, GAS)
         norm = engine.get_global_grad_norm()
         found = {"losses": losses, "norm": float(norm)}
+        if feature == "compile":
+            found["graph_breaks"] = sum(counters["graph_break"].values())
+            found["graphs"] = counters["stats"]["unique_graphs"]
+            torch._dynamo.reset()
         if feature == "moe":
             found["expert"] = _expert(model)
         trained[json.dumps([column, stage, feature])] = found
@@ -320,6 +347,20 @@ def _spread(found: list[dict[str, Any]], column: str, stage: int) -> float:
     return _dist(e0, e1)
 
 
+def _check_compiled(found: list[dict[str, Any]], column: str, stage: int, cell: Any) -> None:
+    """A compiled cell: dynamo captured the model (the count of graphs can fail), no more graph
+    breaks than plain DeepSpeed compiled; with a tolerance, as close to plain DeepSpeed compiled as
+    the plugin uncompiled is to plain DeepSpeed (doubled, plus 1e-3)."""
+    for rank in found:
+        got = rank["trained"][json.dumps([column, stage, "compile"])]
+        ds = rank["trained"][json.dumps(["none", stage, "compile"])]
+        assert got["graphs"] >= 1 and ds["graphs"] >= 1, (column, stage, got, ds)
+        assert got["graph_breaks"] <= ds["graph_breaks"], (column, stage, got, ds)
+        if cell.tolerance > 0:
+            tol = _tolerance(rank, column, stage)
+            assert _dist(got["losses"], ds["losses"]) <= tol, (column, stage, got, ds, tol)
+
+
 @pytest.mark.multirank
 def test_trained_cells_match_their_oracle(found: list[dict[str, Any]]) -> None:
     for (row, column), cell in compat_matrix.MATRIX.items():
@@ -330,7 +371,7 @@ def test_trained_cells_match_their_oracle(found: list[dict[str, Any]]) -> None:
                 got = _losses(rank, column, stage, row)
                 assert all(math.isfinite(v) for v in got), (row, column, stage, got)
                 if column == "nvmeswap":
-                    assert got == _losses(rank, "nvme-oracle", stage, row), (row, stage)
+                    assert got == _losses(rank, _nvme_oracle(row), stage, row), (row, stage)
                 elif row in COMPARED_WITH_DEEPSPEED:
                     tol = _tolerance(rank, column, stage)
                     assert _dist(got, _losses(rank, "none", stage, row)) <= tol, (
@@ -343,6 +384,8 @@ def test_trained_cells_match_their_oracle(found: list[dict[str, Any]]) -> None:
                 else:
                     want = _losses(rank, column, stage, _without(row))
                     assert _dist(got, want) <= cell.tolerance, (row, column, stage, got, want)
+            if row == "compile":
+                _check_compiled(found, column, stage, cell)
             if row == "clip" and column != "nvmeswap":
                 for rank in found:
                     ds_clip, ds = _losses(rank, "none", stage, "clip"), _losses(rank, "none", stage, None)
