@@ -3,7 +3,7 @@ parameter, 24 GB) does not fit in this machine's RAM, trained with ZeRO 3 + bf16
 
     python benchmarks/bench_nvmeswap_scale.py [--small]
         [--runs nvmeswap,nvmeswap_overlap,nvmeswap_unfused,deepspeed_nvme,deepspeed_cpu] [--steps 6]
-        [--folder /work/scratch/nvmeswap_scale] [--mem-limit-gib 14] [--prefetch-gib 0.7] [--no-resume]
+        [--folder /work/scratch/nvmeswap_scale] [--mem-limit-gib 14] [--prefetch-gib 1.0] [--no-resume]
 
 Each run is its own process (one gloo rank), started inside a memory cgroup limited to
 ``--mem-limit-gib`` when the cgroup-v1 memory controller is writable (so a run that needs more is
@@ -526,7 +526,10 @@ def main() -> None:
     ap.add_argument("--sub-group", type=int, default=50_000_000)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
-        "--prefetch-gib", type=float, default=0.7, help="nvmeswap_overlap's prefetch_bytes, in GiB"
+        "--prefetch-gib",
+        type=float,
+        default=1.0,
+        help="nvmeswap_overlap's prefetch_bytes, in GiB (at least one swap buffer: 0.92 GiB at the default 2 B size)",
     )
     ap.add_argument("--runs", default=",".join(RUNS))
     ap.add_argument("--folder", default="/work/scratch/nvmeswap_scale")
