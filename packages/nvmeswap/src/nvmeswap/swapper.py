@@ -261,9 +261,19 @@ def _wait(state: SwapState, engine: Any) -> None:
 
 
 # -- buffers --------------------------------------------------------------------------------------
-def _free_slot(state: SwapState) -> Slot | None:
-    free = [s for s in state.slots if s.owner is None]
+def _free_slot(state: SwapState, idle: bool = False) -> Slot | None:
+    """The free buffer released longest ago (``idle``: only one with no I/O in flight)."""
+    free = [s for s in state.slots if s.owner is None and not (idle and s.engine.pending())]
     return min(free, key=lambda s: s.released) if free else None
+
+
+def _release_slot(state: SwapState, g: SubGroup) -> None:
+    """``g``'s buffer is free again (reused once its I/O is done); ``g`` holds none."""
+    slot = g.slot
+    if slot is not None:
+        state.clock += 1
+        slot.owner, slot.ready, slot.released = None, False, state.clock
+        g.slot = None
 
 
 def _acquire(state: SwapState, g: SubGroup, slot: Slot | None = None) -> Slot:
@@ -395,9 +405,7 @@ def swap_out(state: SwapState, index: int, write: bool = True) -> None:
     for k in keys:
         opt_state[k].data = EMPTY
     state.resident.discard(index)
-    state.clock += 1
-    slot.owner, slot.ready, slot.released = None, False, state.clock
-    g.slot = None
+    _release_slot(state, g)
 
 
 def flush(state: SwapState) -> None:
@@ -434,10 +442,10 @@ def prefetch(state: SwapState, index: int) -> bool:
     if g.writer is not None and g.writer.pending():
         return False
     # at most prefetch_slots of the buffers are held this way: buffer_count stay for the step
-    free = [s for s in state.slots if s.owner is None and not s.engine.pending()]
-    if not free:
+    slot = _free_slot(state, idle=True)
+    if slot is None:
         return False
-    _read(state, g, min(free, key=lambda s: s.released))
+    _read(state, g, slot)
     state.prefetched.add(index)
     return True
 
@@ -446,12 +454,7 @@ def drop_prefetched(state: SwapState) -> None:
     """Forget the sub-groups read ahead and not stepped (a skipped step, a checkpoint, a load):
     their buffers are free again (reused once their reads are done), nothing is written."""
     for i in sorted(state.prefetched):
-        g = state.groups[i]
-        slot = g.slot
-        if slot is not None:
-            state.clock += 1
-            slot.owner, slot.ready, slot.released = None, False, state.clock
-            g.slot = None
+        _release_slot(state, state.groups[i])
     state.prefetched.clear()
 
 
