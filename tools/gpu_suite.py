@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import tarfile
@@ -71,6 +72,23 @@ for k in ("TORCH_CUDA_ARCH_LIST", "CUDA_HOME", "MAX_JOBS", "TORCH_EXTENSIONS_DIR
 print("SUITE_INFO " + json.dumps(info), flush=True)
 """
 INFO = INFO.replace("MODULES_HERE", repr(tuple(p.module for p in packages(ROOT))))
+
+
+def deepspeed_arch_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with ``TORCH_CUDA_ARCH_LIST`` as DeepSpeed 0.19.8's op builder can read it.
+
+    Its ``compute_capability_args`` turns every part of an entry into an int, so an
+    architecture-specific entry such as ``9.0a`` (what the H100 machine sets) fails the build with
+    ``invalid literal for int() with base 10: '0a'`` (GPU suite, H100, 2026-11-27).  The suffix
+    only adds sm_90a-only instructions, which DeepSpeed's async_io op does not use: ``9.0a`` becomes
+    ``9.0``; ``+PTX`` (which DeepSpeed reads) and the separators are kept.  Our own kernels keep the
+    list as given."""
+    arch = env.get("TORCH_CUDA_ARCH_LIST")
+    if not arch:
+        return dict(env)
+    fixed = re.sub(r"(\d+\.\d+)[a-z]+", r"\1", arch)
+    return dict(env, TORCH_CUDA_ARCH_LIST=fixed)
+
 
 AIO_BUILD = r"""
 from deepspeed.ops.op_builder import AsyncIOBuilder
@@ -284,7 +302,7 @@ class Suite:
         aio = None
         aio_t0 = time.time()
         if cuda and aio_why is None and "nvme" not in self.skip:
-            env = dict(os.environ, MAX_JOBS=str(max(1, cpus // 3)))
+            env = deepspeed_arch_env(dict(os.environ, MAX_JOBS=str(max(1, cpus // 3))))
             aio = start([py, "-c", AIO_BUILD], self.logs / "ds-aio-build.log", env)
 
         self.build(cpus, no_gpu, background=aio is not None)
@@ -333,6 +351,8 @@ class Suite:
             cmd = self.pairs_cmd(
                 py, "pairs", end, *tiny, "--profile", "--stages", "2" if smoke else self.args.stages
             )
+            if self.args.pairs:
+                cmd += ["--pairs", self.args.pairs]
             if not smoke:
                 # H100, 2026-11-26: a run took 25 s (imports, engine build 10 s, first step 2.5 s),
                 # a step 70-180 ms; so 12 timed steps cost little and give each run its spread
@@ -431,8 +451,9 @@ class Suite:
         return [py, "benchmarks/bench_gpu_pairs.py", "--out", out, "--deadline-at", str(end - 3), *args]
 
     def bench(self, rec: dict[str, Any], cmd: list[str]) -> None:
-        """pairs and nvme: ok only when every planned run ran and none failed."""
-        got = self.run(rec, cmd, tag=DONE_TAG)
+        """pairs and nvme: ok only when every planned run ran and none failed (DeepSpeed's runs
+        build or load its ops: :func:`deepspeed_arch_env`)."""
+        got = self.run(rec, cmd, tag=DONE_TAG, env=deepspeed_arch_env(dict(os.environ)))
         d = rec["data"] = _read_json(Path(cmd[cmd.index("--out") + 1]))
         if d is None or not got.ok:
             return self.verdict(rec, got)
@@ -539,6 +560,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default=None, help="scratch folder: logs, swap files (default OUT.work)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny model, few steps, on CPU")
     p.add_argument("--stages", default="2,3", help="ZeRO stages of the pairs, in order (default 2,3)")
+    p.add_argument(
+        "--pairs",
+        default=None,
+        help="plugins the pairs section compares, comma-separated (default: bench_gpu_pairs.py's, "
+        "all but loco); a second slot can rerun only the pairs a fix touched",
+    )
     p.add_argument(
         "--rounds",
         type=int,

@@ -350,3 +350,51 @@ def _quartiles(values: list[float]) -> tuple[float, float]:
         return v[lo] + (h - lo) * (v[hi] - v[lo]) if h >= 0 else v[0]
 
     return q(0.25), q(0.75)
+
+
+_DS_ARCH_PROBE = r"""
+import sys
+from deepspeed.ops.op_builder.builder import CUDAOpBuilder
+
+class Probe(CUDAOpBuilder):  # the nvcc arguments of any DeepSpeed CUDA op, async_io's included
+    BUILD_VAR = "DS_BUILD_PROBE"
+    NAME = "probe"
+    def __init__(self):
+        super().__init__(name="probe")
+    def absolute_name(self):
+        return "probe"
+    def sources(self):
+        return []
+
+try:
+    print(" ".join(Probe().compute_capability_args()))
+except ValueError as e:
+    print("REFUSED", e)
+"""
+
+
+@pytest.mark.parametrize("arch", ["9.0a", "9.0a 10.0a", "8.0;9.0a+PTX"])
+def test_deepspeed_builds_with_the_arch_list_the_suite_hands_it(arch: str) -> None:
+    """The H100 machine sets TORCH_CUDA_ARCH_LIST=9.0a, which DeepSpeed 0.19.8's op builder
+    cannot parse (the suite's async_io build failed on it). DeepSpeed's own builder is the oracle:
+    it refuses the raw list and takes the one ``deepspeed_arch_env`` gives, with the same
+    architectures."""
+    import gpu_suite
+
+    def nvcc_args(value: str) -> str:
+        env = dict(os.environ, TORCH_CUDA_ARCH_LIST=value, DS_ACCELERATOR="cpu")
+        r = subprocess.run(
+            [sys.executable, "-c", _DS_ARCH_PROBE], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout.strip().splitlines()[-1]
+
+    assert nvcc_args(arch).startswith("REFUSED")
+    fixed = gpu_suite.deepspeed_arch_env({"TORCH_CUDA_ARCH_LIST": arch, "PATH": "/bin"})
+    assert fixed["PATH"] == "/bin"
+    args = nvcc_args(fixed["TORCH_CUDA_ARCH_LIST"])
+    assert not args.startswith("REFUSED"), args
+    for cc in ("80", "90", "100"):
+        assert (f"sm_{cc}" in args) == (cc[:-1] + "." + cc[-1] in arch), (arch, args)
+    assert ("code=compute_90" in args) == ("+PTX" in arch)
+    assert gpu_suite.deepspeed_arch_env({}) == {}

@@ -129,8 +129,9 @@ def scenario_bf16(stage: int) -> dict[str, Any]:
         out["offload_losses"] = train(off, STEPS, GAS)
     import zerohooks
 
+    out["attached_forward"] = engine.torch_autocast_enabled()
     zerohooks.detach(engine)
-    out["detached_forward"] = "forward" in vars(engine)
+    out["detached_forward"] = engine.torch_autocast_enabled() or "torch_autocast_dtype" in vars(engine)
     if stage == 3:  # DeepSpeed's own bucket back at full size: detached, it reduces everything in fp32
         out["detached_losses"] = train(engine, 1, GAS, first=STEPS)
         out["detached_bucket_numel"] = engine.optimizer.ipg_buckets[torch.float32].buffer.numel()
@@ -187,7 +188,7 @@ def _detach_restores(engine: Any, stage: int) -> dict[str, bool]:
 
     opt = engine.optimizer
     zerohooks.detach(engine)
-    checks = {"forward": "forward" not in vars(engine)}
+    checks = {"forward": not engine.torch_autocast_enabled() and "torch_autocast_dtype" not in vars(engine)}
     if stage == 0:
         checks["gradscaler"] = engine.torch_autocast_z0_gradscaler is None
         checks["overflow_attr"] = "overflow" not in vars(opt)
@@ -368,11 +369,47 @@ def scenario_gpt2() -> dict[str, Any] | None:
     return out
 
 
+def scenario_as_on_a_gpu() -> dict[str, str]:
+    """The dtype the first Linear computes in, per ZeRO stage, with DeepSpeed's forward seeing the
+    autocast the way it does on a GPU.
+
+    DeepSpeed's ``engine.forward`` turns off an autocast already on when its own ``torch_autocast``
+    is not enabled, and asks ``torch.is_autocast_enabled()``: on a GPU that reads the
+    accelerator's (CUDA's) autocast, here it reads CUDA's too, which the CPU accelerator never
+    uses, so the check never fired on CPU (the H100 ran autocastzero's forward in fp32). The
+    GPU cannot exist here; its view can: the call without a device is made to read the CPU's
+    autocast, the accelerator's, for the length of the scenario."""
+    import zerohooks
+
+    real = torch.is_autocast_enabled
+
+    def accelerators(*args: Any) -> bool:
+        return bool(real(*args) if args else real("cpu"))
+
+    out: dict[str, str] = {}
+    torch.is_autocast_enabled = accelerators  # type: ignore[assignment]
+    try:
+        for stage in (0, 2, 3):
+            engine = build(stage, {"autocastzero": {"dtype": "bfloat16"}})
+            seen: list[str] = []
+            hook = engine.module.fc1.register_forward_hook(
+                lambda m, a, o, seen=seen: seen.append(str(o.dtype))
+            )
+            train(engine, 1, GAS)
+            hook.remove()
+            out[f"z{stage}"] = seen[0]
+            zerohooks.detach(engine)
+    finally:
+        torch.is_autocast_enabled = real  # type: ignore[assignment]
+    return out
+
+
 def all_two_rank_scenarios(ckpt_dir: str) -> dict[str, Any]:
     """Every 2-rank scenario, in one launch."""
     res: dict[str, Any] = {"scale_rule": scale_rule_vs_deepspeed()}
     res["always_overflows"] = scenario_always_overflows()
     res["gpt2"] = scenario_gpt2()
+    res["as_on_a_gpu"] = scenario_as_on_a_gpu()
     for stage in STAGES:
         res[f"bf16_z{stage}"] = scenario_bf16(stage)
     for stage in STAGES:

@@ -99,7 +99,15 @@ def test_zero3_bucket_buffers_sized_by_their_parameters(two_ranks: list[dict[str
 def test_detach_restores_forward(two_ranks: list[dict[str, Any]]) -> None:
     for rank in two_ranks:
         for stage in range(4):
+            assert rank[f"bf16_z{stage}"]["attached_forward"] is True
             assert rank[f"bf16_z{stage}"]["detached_forward"] is False
+
+
+def test_forward_stays_under_autocast_where_deepspeed_checks_for_one(two_ranks: list[dict[str, Any]]) -> None:
+    """DeepSpeed's forward turns off an outer autocast on a GPU; the plugin's autocast must be
+    inside it (the first Linear computes in bf16 on every stage)."""
+    for rank in two_ranks:
+        assert rank["as_on_a_gpu"] == {"z0": "torch.bfloat16", "z2": "torch.bfloat16", "z3": "torch.bfloat16"}
 
 
 def test_hugging_face_gpt2_reduces_its_conv1d_gradients_in_bf16(two_ranks: list[dict[str, Any]]) -> None:

@@ -157,7 +157,7 @@ class AutocastZeroPlugin(ZeroPlugin):
             state.safe = safe_parameters(engine.module, self.cfg)
             if getattr(engine, "global_rank", 0) == 0:  # once per engine, not once per rank
                 warn_if_nothing_safe(engine.module, self.cfg, state.safe, state.stage)
-        seams.run_forward_in(att, lambda: torch.autocast(device_type=state.device_type, dtype=state.dtype))
+        seams.forward_under_autocast(att, state.dtype)
         if state.scale is not None:
             reinstall = self._install_scaler(engine, att, state.stage, state.scale)
             registry.register_state(ScaleCheckpoint(state.scale, reinstall), name=self.name)

@@ -11,14 +11,14 @@ the engine's :class:`~zerohooks.adapter.base.Attachment`:
 * loss scaling: :func:`own_loss_scaling` (the scaler DeepSpeed multiplies the loss by and
   unscales with, on every stage, and its overflow check); :func:`steps_may_be_skipped` (whether a
   loss scaler, DeepSpeed's or a plugin's, can skip a step);
-* forward: :func:`run_forward_in` (a context around the engine's forward, e.g. autocast);
+* forward: :func:`forward_under_autocast` (the engine's forward under autocast, entered by
+  DeepSpeed's own autocast path);
 * checkpoints: :func:`check_before_save` (refuse ``save_checkpoint`` in a state that cannot be saved);
   :func:`read_checkpoints_mapped` (DeepSpeed's files read memory-mapped, not into RAM).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -35,10 +35,10 @@ __all__ = [
     "Zero0Scaling",
     "accumulate_separately",
     "check_before_save",
+    "forward_under_autocast",
     "note_optimizer_stepped",
     "own_loss_scaling",
     "read_checkpoints_mapped",
-    "run_forward_in",
     "stage_buckets_in_own_dtype",
     "steps_may_be_skipped",
     "widen_reduction_buffer",
@@ -177,17 +177,24 @@ def steps_may_be_skipped(engine: Any) -> bool:
     return dynamic or getattr(engine, "torch_autocast_z0_gradscaler", None) is not None
 
 
-def run_forward_in(att: Attachment, context: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
-    """Run the engine's forward inside ``context()`` (entered once per call)."""
+def forward_under_autocast(att: Attachment, dtype: torch.dtype) -> None:
+    """Run the engine's forward under ``torch.autocast(<DeepSpeed's accelerator>, dtype)``,
+    entered by DeepSpeed itself, as for its own ``torch_autocast`` section.
 
-    def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            with context():
-                return original(*args, **kwargs)
+    DeepSpeed's ``engine.forward`` (``runtime/torch_autocast.autocast_if_enabled``) decides the
+    forward's autocast from ``engine.torch_autocast_enabled()`` and ``torch_autocast_dtype()``, and
+    turns off an autocast it finds already on when its own is not enabled. It asks
+    ``torch.is_autocast_enabled()``, which reads CUDA's autocast: an autocast entered around the
+    engine's forward survived on CPU and was switched off on a GPU, where the whole forward ran in
+    fp32 (GPU suite, H100, 2026-11-27: autocastzero's step 1.42x DeepSpeed's ``torch_autocast``,
+    fp32 GEMMs in its profile). So the engine answers those two questions with ``dtype``, on
+    this instance only; nothing else of DeepSpeed reads them after the engine is built (its
+    ``torch_autocast`` set-up, the parameters' ``comm_dtype`` and the ZeRO-0 ``GradScaler``, ran
+    in the constructor, from the config, and stays off). The forward is then DeepSpeed's own
+    autocast path: the same code, the same ``torch.compile`` graph as ``torch_autocast``."""
 
-        return forward
-
-    att.patch(att.engine, "forward", make, _E)
+    att.patch(att.engine, "torch_autocast_enabled", _constant(lambda: True), _E)
+    att.patch(att.engine, "torch_autocast_dtype", _constant(lambda: dtype), _E)
 
 
 def check_before_save(att: Attachment, check: Callable[[], None]) -> None:

@@ -264,8 +264,8 @@ SEAMS: dict[str, tuple[Internal, ...]] = {
     ),
     # seams.check_before_save
     "check_before_save": tuple(_entries("check_before_save", ENGINE, _ALL, patch="save_checkpoint")),
-    # seams.run_forward_in
-    "forward": tuple(_entries("forward", ENGINE, _ALL, patch="forward")),
+    # seams.forward_under_autocast
+    "forward": tuple(_entries("forward", ENGINE, _ALL, patch="torch_autocast_enabled torch_autocast_dtype")),
     # seams.own_loss_scaling (adapter/lossscale.py)
     "loss_scaling": (
         *_entries("loss_scaling", ENGINE, (0,), write="torch_autocast_z0_gradscaler"),
