@@ -200,7 +200,13 @@ ROWS: tuple[Row, ...] = (
         "deepspeed.pipe.PipelineModule(layers, num_stages=2) on 2 ranks (data parallel size 1), engine.train_batch",
         {
             **{c: Cell("works", _PIPE_ORACLE, (1,)) for c in ("accumdtype", "autocastzero", "loco")},
-            "mixedlayers": _r(("PipelineModule",), "its first step hangs; remove the mixedlayers section"),
+            "mixedlayers": _r(
+                ("PipelineModule",),
+                (
+                    "its first step hangs (stages hold different numbers of dtype groups and DeepSpeed all-reduces "
+                    "the gradient norm over the stages once per group); remove the mixedlayers section"
+                ),
+            ),
             "all": _r(("PipelineModule",), "as mixedlayers"),
             "nvmeswap": _r(
                 ("PipelineModule", "stage"),
