@@ -1,4 +1,5 @@
-"""The compatibility matrix (``tools/compat_matrix.py``), checked cell by cell on 2 gloo ranks.
+"""The compatibility matrix (``tools/compat_matrix.py``), checked cell by cell on 2 gloo ranks (4 for
+the rows that need them).
 
 One launch of 2 ranks builds every engine the matrix needs (each configuration once, oracles
 shared between cells) and tries every refused configuration; the tests then judge each cell:
@@ -15,6 +16,11 @@ shared between cells) and tries every refused configuration; the tests then judg
 * ``refused`` cells raise zerohooks' ``ConfigError`` at ``initialize`` naming the plugin and the
   DeepSpeed key, and saying what to do instead;
 * the README's matrix (top level and each package) is the table rendered.
+
+The rows of ``compat_matrix.FOUR_RANK_ROWS`` (the pipeline with data parallelism: 2 stages x data
+parallel 2) take one launch of 4 ranks of their own: each trained cell against DeepSpeed's own
+equivalent of the plugin (plain bf16 DeepSpeed for loco) within the cell's tolerance, the replicas
+of each stage ending with the same weights, and the refusals (the stages a cell does not claim too).
 """
 
 from __future__ import annotations
@@ -42,8 +48,11 @@ SECTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixedlayers": ("bf16", {"mixedlayers": MIXED}),
     "loco": ("bf16", {"loco": {"exact_below": 0}}),
     "all": ("bf16", {"accumdtype": {"dtype": "fp32"}, "mixedlayers": MIXED, "loco": {"exact_below": 0}}),
+    "ds-accum": ("bf16", {"data_types": {"grad_accum_dtype": "fp32"}}),
+    "ds-autocast": ("fp32", {"torch_autocast": {"enabled": True, "dtype": "torch.bfloat16"}}),
 }
-"""Each column's plugin sections on the toy model (``none``: plain DeepSpeed, the oracle)."""
+"""Each column's plugin sections on the toy model (``none``: plain DeepSpeed, the oracle;
+``ds-accum``, ``ds-autocast``: DeepSpeed's own equivalents of accumdtype and autocastzero)."""
 CLIP = 0.05
 FEATURES: dict[str, dict[str, Any]] = {
     "clip": {"gradient_clipping": CLIP},
@@ -54,6 +63,7 @@ FEATURES: dict[str, dict[str, Any]] = {
     "moe": {},
     "actckpt": {},
     "pipe": {"train_batch_size": 8},
+    "pipe_dp": {"train_batch_size": 16},
     "universal": {"checkpoint": {"load_universal": True}},
     "compile": {},
 }
@@ -108,7 +118,7 @@ def _model(feature: str | None) -> Any:
 
     if feature == "actckpt":
         return _checkpointed_model()
-    if feature == "pipe":
+    if feature in ("pipe", "pipe_dp"):
         return _pipeline_model()
     if feature != "moe":
         return make_model(mult=4)
@@ -178,11 +188,13 @@ def _pipeline_model() -> Any:
 
 
 def _train_pipeline(engine: Any) -> list[float]:
-    """:data:`STEPS` ``train_batch`` calls of :data:`GAS` micro-batches (the same on both ranks:
-    one data-parallel replica); every step's loss."""
+    """:data:`STEPS` ``train_batch`` calls of :data:`GAS` micro-batches (the same on the stages of
+    one data-parallel replica, different between replicas); every step's loss (averaged over the
+    replicas by DeepSpeed)."""
     from zerohooks.testing.toy import batch
 
-    return [float(engine.train_batch(iter([batch(s, m, 0) for m in range(GAS)]))) for s in range(STEPS)]
+    replica = engine.grid.data_parallel_id
+    return [float(engine.train_batch(iter([batch(s, m, replica) for m in range(GAS)]))) for s in range(STEPS)]
 
 
 def _parameters(model: Any, feature: str | None) -> Any:
@@ -212,6 +224,8 @@ def _plan() -> tuple[list[tuple[str, int, str | None]], list[tuple[str, str, int
             runs.append(run)
 
     for (row, column), cell in compat_matrix.MATRIX.items():
+        if row in compat_matrix.FOUR_RANK_ROWS:
+            continue
         if cell.kind == "refused":
             # nvmeswap and parameter offload need ZeRO 3; pipelines are refused by the plugin on ZeRO 1
             # (on ZeRO 2/3 zerohooks refuses them first, for DeepSpeed)
@@ -236,6 +250,16 @@ def _plan() -> tuple[list[tuple[str, int, str | None]], list[tuple[str, str, int
     # built after it in the same rank fails (no mpu), so the pipelines train last
     runs.sort(key=lambda run: run[2] == "pipe")
     return runs, refused
+
+
+def _weights_digest(module: Any) -> str:
+    """A digest of the bytes of every parameter of this rank's pipeline stage."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for p in module.parameters():
+        digest.update(p.detach().float().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _nvme_oracle(row: str) -> str:
@@ -271,9 +295,13 @@ def _run_all(tmp: str, runs: list[tuple[str, int, str | None]], refused: list[tu
             torch._dynamo.reset()
             counters.clear()
             engine.compile(backend=COMPILE_BACKEND)
-        losses = _train_pipeline(engine) if feature == "pipe" else train(engine, STEPS, GAS)
+        losses = _train_pipeline(engine) if feature in ("pipe", "pipe_dp") else train(engine, STEPS, GAS)
         norm = engine.get_global_grad_norm()
-        found = {"losses": losses, "norm": float(norm)}
+        # None where DeepSpeed keeps no norm (a plain torch optimizer: ZeRO 0 with an fp32 model)
+        found = {"losses": losses, "norm": None if norm is None else float(norm)}
+        if feature == "pipe_dp":
+            found["stage_id"] = engine.stage_id
+            found["weights"] = _weights_digest(engine.module)
         if feature == "compile":
             found["graph_breaks"] = sum(counters["graph_break"].values())
             found["graphs"] = counters["stats"]["unique_graphs"]
@@ -297,15 +325,27 @@ def _run_all(tmp: str, runs: list[tuple[str, int, str | None]], refused: list[tu
     return json.dumps({"trained": trained, "errors": errors})
 
 
-@pytest.fixture(scope="module")
-def found(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def _launch(
+    tmp_path_factory: pytest.TempPathFactory,
+    world: int,
+    runs: list[tuple[str, int, str | None]],
+    refused: list[tuple[str, str, int]],
+    timeout: float,
+) -> list[dict[str, Any]]:
+    """:func:`_run_all` on ``world`` ranks; each rank's findings."""
     for name in PLUGINS:
         pytest.importorskip(name)
     from zerohooks.testing import run_distributed
 
-    runs, refused = _plan()
-    tmp = str(tmp_path_factory.mktemp("compat"))
-    return [json.loads(r) for r in run_distributed(_run_all, 2, args=(tmp, runs, refused), timeout=1200)]
+    tmp = str(tmp_path_factory.mktemp(f"compat{world}"))
+    return [
+        json.loads(r) for r in run_distributed(_run_all, world, args=(tmp, runs, refused), timeout=timeout)
+    ]
+
+
+@pytest.fixture(scope="module")
+def found(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _launch(tmp_path_factory, 2, *_plan(), timeout=1200)
 
 
 def test_table_is_whole() -> None:
@@ -364,7 +404,7 @@ def _check_compiled(found: list[dict[str, Any]], column: str, stage: int, cell: 
 @pytest.mark.multirank
 def test_trained_cells_match_their_oracle(found: list[dict[str, Any]]) -> None:
     for (row, column), cell in compat_matrix.MATRIX.items():
-        if cell.kind == "refused":
+        if cell.kind == "refused" or row in compat_matrix.FOUR_RANK_ROWS:
             continue
         for stage in cell.stages:
             for rank in found:
@@ -406,12 +446,92 @@ def test_trained_cells_match_their_oracle(found: list[dict[str, Any]]) -> None:
 def test_refused_cells_raise_our_error(found: list[dict[str, Any]]) -> None:
     for rank in found:
         for (row, column), cell in compat_matrix.MATRIX.items():
-            if cell.kind != "refused":
+            if cell.kind != "refused" or row in compat_matrix.FOUR_RANK_ROWS:
                 continue
-            message = rank["errors"][json.dumps([row, column])]
-            assert message is not None, f"{row} with {column}: initialize accepted it"
-            names = ("accumdtype", "mixedlayers", "loco") if column == "all" else (column,)
-            assert any(n in message for n in names), (row, column, message)
-            for word in cell.keywords:
-                assert word in message, (row, column, word, message)
-            assert any(w in message for w in ("remove", "use ", "load a regular")), (row, column, message)
+            _check_refusal(rank["errors"][json.dumps([row, column])], row, column, cell.keywords)
+
+
+def _check_refusal(message: str | None, row: str, column: str, keywords: tuple[str, ...]) -> None:
+    """Our error: it names the plugin (one of them for ``all``), the cell's key words, and what
+    to do instead."""
+    assert message is not None, f"{row} with {column}: initialize accepted it"
+    names = ("accumdtype", "mixedlayers", "loco") if column == "all" else (column,)
+    assert any(n in message for n in names), (row, column, message)
+    for word in keywords:
+        assert word in message, (row, column, word, message)
+    assert any(w in message for w in ("remove", "use ", "load a regular")), (row, column, message)
+
+
+# -- the 4-rank rows (compat_matrix.FOUR_RANK_ROWS): one launch of 4 ranks for all their cells -------
+PIPE_STAGES = (0, 1)
+"""The ZeRO stages DeepSpeed allows pipelines on: a trained cell of a 4-rank row must be refused
+by the plugin on a stage it does not claim."""
+PIPE_DP_ORACLE = {"accumdtype": "ds-accum", "autocastzero": "ds-autocast", "loco": "none"}
+"""Each trained column's oracle on the 4-rank pipeline: DeepSpeed's own equivalent of the plugin
+(``data_types.grad_accum_dtype``, ``torch_autocast``), for loco plain bf16 DeepSpeed."""
+
+
+def _plan_four() -> tuple[list[tuple[str, int, str | None]], list[tuple[str, str, int, tuple[str, ...]]]]:
+    """The runs of the 4-rank rows (column, stage, row), each once, and their refusals (row,
+    column, stage, the words the error must contain)."""
+    runs: list[tuple[str, int, str | None]] = []
+    refused: list[tuple[str, str, int, tuple[str, ...]]] = []
+    for row in compat_matrix.FOUR_RANK_ROWS:
+        for column in compat_matrix.COLUMNS:
+            cell = compat_matrix.MATRIX[(row, column)]
+            if cell.kind == "refused":
+                refused.append((row, column, 3 if column == "nvmeswap" else 1, cell.keywords))
+                continue
+            for stage in PIPE_STAGES:
+                if stage not in cell.stages:
+                    refused.append((row, column, stage, ("PipelineModule", f"ZeRO {stage}")))
+                    continue
+                for col in (column, PIPE_DP_ORACLE[column]):
+                    if (col, stage, row) not in runs:
+                        runs.append((col, stage, row))
+    return runs, refused
+
+
+@pytest.fixture(scope="module")
+def found_four(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    runs, refused = _plan_four()
+    triples = [(row, column, stage) for row, column, stage, _ in refused]
+    return _launch(tmp_path_factory, 4, runs, triples, timeout=900)
+
+
+@pytest.mark.multirank
+def test_four_rank_cells_match_their_oracle(found_four: list[dict[str, Any]]) -> None:
+    """Losses within the cell's tolerance of the oracle on every rank; loco's differ from plain
+    DeepSpeed's (its 4-bit exchange shows, so the comparison can fail); the two replicas of each
+    pipeline stage, trained on different batches, end with the same weights (their gradients were
+    reduced over the data-parallel group), for the plugin and its oracle alike."""
+    for row in compat_matrix.FOUR_RANK_ROWS:
+        for column in compat_matrix.COLUMNS:
+            cell = compat_matrix.MATRIX[(row, column)]
+            if cell.kind == "refused":
+                continue
+            oracle = PIPE_DP_ORACLE[column]
+            for stage in cell.stages:
+                for rank in found_four:
+                    got, want = _losses(rank, column, stage, row), _losses(rank, oracle, stage, row)
+                    assert all(math.isfinite(v) for v in got), (row, column, stage, got)
+                    assert _dist(got, want) <= cell.tolerance, (row, column, stage, got, want)
+                    if oracle == "none":
+                        assert got != want, (row, column, stage, got)
+                for col in (column, oracle):
+                    digests: dict[int, set[str]] = {}
+                    for rank in found_four:
+                        run = rank["trained"][json.dumps([col, stage, row])]
+                        digests.setdefault(run["stage_id"], set()).add(run["weights"])
+                    assert sorted(digests) == [0, 1], (row, col, stage, digests)
+                    assert all(len(d) == 1 for d in digests.values()), (row, col, stage, digests)
+
+
+@pytest.mark.multirank
+def test_four_rank_refusals_raise_our_error(found_four: list[dict[str, Any]]) -> None:
+    """The refused cells, and the stages a trained cell does not claim, raise our error."""
+    _, refused = _plan_four()
+    assert refused
+    for rank in found_four:
+        for row, column, _stage, keywords in refused:
+            _check_refusal(rank["errors"][json.dumps([row, column])], row, column, keywords)
