@@ -346,6 +346,9 @@ _DS_PUBLIC_FROM = {
     "deepspeed.accelerator": None,  # any name: the accelerator API
     "deepspeed.accelerator.cpu_accelerator": None,
     "deepspeed.utils": frozenset({"safe_get_full_fp32_param", "safe_get_full_grad"}),
+    # the MoE API DeepSpeed's MoE tutorial has users write (the toy MoE model of the tests)
+    "deepspeed.moe.layer": frozenset({"MoE"}),
+    "deepspeed.moe.utils": frozenset({"split_params_into_different_moe_groups_for_optimizer"}),
 }
 """Modules of DeepSpeed's public API the core may import from (None: any name)."""
 

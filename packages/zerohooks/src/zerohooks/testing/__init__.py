@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import datetime
 import functools
 import importlib
 import multiprocessing as mp
@@ -57,6 +58,21 @@ _forkserver: Any = None
 
 class MultiRankError(RuntimeError):
     """A rank failed, died or hung."""
+
+
+def _rendezvous_store(world_size: int, timeout: float) -> Any:
+    """A TCP rendezvous store served by this process on a port of the OS's choosing (ranks
+    connect as clients: ``TORCHELASTIC_USE_AGENT_STORE``)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=max(timeout, 60.0)),
+        wait_for_workers=False,
+    )
 
 
 def _free_port() -> int:
@@ -185,6 +201,8 @@ def _worker(
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        # the caller hosts the rendezvous store (as torchrun's agent does): every rank a client
+        TORCHELASTIC_USE_AGENT_STORE=str(True),
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -208,6 +226,8 @@ def _worker(
 
         rank_op_builds = route_deepspeed_op_builds()
         deepspeed.init_distributed(dist_backend=opts.backend, verbose=False)
+        # only this rendezvous: groups the test makes itself, and processes it starts, host their own
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         if isinstance(target, tuple):  # (module, qualname) of a @distributed test
             mod, name = target
             fn = getattr(importlib.import_module(mod), name).__wrapped__
@@ -258,7 +278,11 @@ def run_distributed(
     method = _start_method()
     ctx = _context(method)
     results = ctx.Queue()
-    port = _free_port()
+    # The rendezvous store lives in this process on a port the OS gives it, held until the ranks
+    # are gone: a port picked free and bound later by rank 0 could be taken in between by another
+    # launch's process (seen once: a rank joined a store that was not its launch's).
+    store = _rendezvous_store(world_size, timeout)
+    port = int(store.port)
     procs = [
         ctx.Process(
             target=_worker,
@@ -301,6 +325,7 @@ def run_distributed(
                 p.kill()
                 p.join(timeout=5)
         results.close()
+        del store
     return [done[r] for r in range(world_size)]
 
 
