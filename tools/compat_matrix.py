@@ -241,7 +241,7 @@ ROWS: tuple[Row, ...] = (
     Row(
         "universal",
         "loading a universal checkpoint",
-        '"checkpoint": {"load_universal": true}',
+        'ds_to_universal --inject_missing_state, then "checkpoint": {"load_universal": true}',
         {
             "accumdtype": Cell("works", _UNIVERSAL + " (bf16 model, fp32 accumulation)", (1, 2, 3)),
             "autocastzero": Cell(
