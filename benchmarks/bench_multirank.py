@@ -12,7 +12,9 @@ exchange moves device buffers between two processes) is the JSON ``--out``, per 
 ``ok``, ``wrong result``, the error, or ``crashed: <the rank's last error>`` where the operation
 killed a rank (gloo aborts the process on a device pointer it cannot write: ``writev ... Bad
 address``, seen on an H100); the probe then goes on from the next operation with a fresh pair of
-processes, so one crash loses nothing else.  ``ZEROHOOKS_MULTIRANK_CRASH=<operation>`` makes
+processes, so one crash loses nothing else.  ``loco_exchange_all_to_all`` is the all-to-all as
+loco issues it, which keeps gloo's collective for device buffers (the point-to-point rows crashed
+on the H100, 2026-11-27).  ``ZEROHOOKS_MULTIRANK_CRASH=<operation>`` makes
 rank 1 abort in that operation (the test of that path, on CPU).  NCCL across GPUs stays
 unverified either way.
 """
@@ -39,7 +41,7 @@ DONE_TAG = "MULTIRANK_DONE"
 OP_NAMES = (
     "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
     "all_to_all_single", "isend_irecv", "loco_p2p_all_to_all", "loco_p2p_all_gather_uint8",
-    "side_stream_all_reduce",
+    "loco_exchange_all_to_all", "side_stream_all_reduce",
 )  # fmt: skip
 """The operations, in the order they run (``_ops`` builds them)."""
 
@@ -113,6 +115,20 @@ def _ops(dev: Any) -> dict[str, Any]:
             (out.view(w, -1) == torch.arange(1, w + 1, device=dev, dtype=torch.uint8).view(w, 1)).all()
         )
 
+    def loco_exchange_all_to_all(r: int, w: int) -> bool:
+        """The all-to-all as loco issues it (``point_to_point`` on): on gloo, point to point for
+        host buffers and gloo's collective for device ones (the p2p rows above crash there)."""
+        from types import SimpleNamespace
+
+        from loco import comm
+
+        inp = torch.arange(w, device=dev, dtype=torch.float32).repeat_interleave(8) + 10 * r
+        out = full(-1, 8 * w)
+        work = comm._all_to_all(SimpleNamespace(point_to_point=True), out, inp, dist.group.WORLD)
+        work.wait()
+        want = torch.arange(w, device=dev, dtype=torch.float32).view(w, 1) * 10 + r
+        return bool((out.view(w, -1) == want).all())
+
     def side_stream_all_reduce(r: int, w: int) -> bool:
         if dev.type != "cuda":
             return all_reduce(r, w)
@@ -128,7 +144,7 @@ def _ops(dev: Any) -> dict[str, Any]:
     return {f.__name__: f for f in (
         all_reduce, broadcast, all_gather, all_gather_into_tensor, reduce_scatter_tensor,
         all_to_all_single, isend_irecv, loco_p2p_all_to_all, loco_p2p_all_gather_uint8,
-        side_stream_all_reduce,
+        loco_exchange_all_to_all, side_stream_all_reduce,
     )}  # fmt: skip
 
 

@@ -233,7 +233,13 @@ def test_multirank_probe_runs_two_ranks_on_cpu(tmp_path: Path) -> None:
     assert [r["rank"] for r in data["ranks"]] == [0, 1]
     for r in data["ranks"]:
         assert r["device"] == "cpu"
-        for op in ("all_reduce", "reduce_scatter_tensor", "all_to_all_single", "loco_p2p_all_to_all"):
+        for op in (
+            "all_reduce",
+            "reduce_scatter_tensor",
+            "all_to_all_single",
+            "loco_p2p_all_to_all",
+            "loco_exchange_all_to_all",
+        ):
             assert r["ops"][op].startswith("ok ("), (op, r["ops"][op])
     assert "| loco_p2p_all_gather_uint8 | ok" in proc.stdout
 

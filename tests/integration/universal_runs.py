@@ -57,3 +57,40 @@ def save_convert_resume(engine: Any, make: Any, saved: str, gas: int) -> dict[st
         to_universal(saved, TAG)
     dist.barrier()
     return {"continued": continued, **resume(make, saved)}
+
+
+def _dist(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def check_cell(
+    found: list[dict[str, Any]], one_rank: dict[str, list[float]], column: str, cell: Any, gas: int
+) -> None:
+    """Judge ``column``'s universal cell (its :data:`SAVED`-step runs in ``found``, the 2-rank
+    launch's findings, and ``one_rank``, the 1-rank resumes) against plain DeepSpeed's own
+    universal load (column ``none``); ``gas`` micro-steps a step."""
+    import json
+
+    first, row = gas, "universal"  # the losses of the first resumed step
+    for stage in cell.stages:
+        key = json.dumps([column, stage, row])
+        for i, rank in enumerate(found):
+            ds_run, run = (rank["trained"][json.dumps([col, stage, row])] for col in ("none", column))
+            assert ds_run["losses"] == ds_run["continued"], (stage, ds_run)
+            lost = [w for w in run["warnings"] if "loco" in w and "error-feedback" in w]
+            assert len(lost) == (i == 0 and column in ("loco", "all")), (column, stage, run["warnings"])
+            if cell.tolerance == 0:
+                assert run["losses"] == run["continued"], (column, stage, run)
+                continue
+            # loco: error feedback restarted; the weights were carried (first step identical)
+            assert run["losses"][:first] == run["continued"][:first], (column, stage, run)
+            assert _dist(run["losses"], run["continued"]) <= cell.tolerance, (column, stage, run)
+            tol = 2 * _dist(run["continued"], ds_run["continued"]) + 1e-3
+            assert _dist(run["losses"], ds_run["losses"]) <= tol, (column, stage, run, ds_run, tol)
+        runs = found[0]["trained"]
+        continued, ds = runs[key]["continued"], runs[json.dumps(["none", stage, row])]["continued"]
+        one, ds_one = one_rank[json.dumps([column, stage])], one_rank[json.dumps(["none", stage])]
+        assert one[:first] == continued[:first], (column, stage, one, continued)
+        assert _dist(one[first:], continued[first:]) > 0, (column, stage, "1 rank trained as 2")
+        tol = 2 * _dist(continued, ds) + 1e-3
+        assert _dist(one, ds_one) <= tol, (column, stage, one, ds_one, tol)

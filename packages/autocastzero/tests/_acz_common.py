@@ -404,6 +404,58 @@ def scenario_as_on_a_gpu() -> dict[str, str]:
     return out
 
 
+def checkpointed_model(how: str) -> Any:
+    """The toy model with its hidden block recomputed in backward: ``how`` is ``"deepspeed"``
+    (``deepspeed.checkpointing.checkpoint``), ``"torch"`` (``torch.utils.checkpoint``, not
+    reentrant) or ``"none"``; the same weights and math each way."""
+    import deepspeed
+    import torch.utils.checkpoint as torch_checkpoint
+    from torch import nn
+
+    from zerohooks.testing.toy import TinyNet
+
+    class Blocked(TinyNet):
+        def block(self, h: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = nn.functional.gelu(self.norm(self.fc1(h)))
+            return out
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            h = self.emb(tokens).mean(dim=1)
+            if how == "deepspeed":
+                h = deepspeed.checkpointing.checkpoint(self.block, h)
+            elif how == "torch":
+                h = torch_checkpoint.checkpoint(self.block, h, use_reentrant=False)
+            else:
+                h = self.block(h)
+            out: torch.Tensor = self.fc2(h)
+            return out
+
+    deepspeed.checkpointing.configure(None, partition_activations=False, checkpoint_in_cpu=False)
+    torch.manual_seed(0)
+    return Blocked()
+
+
+def scenario_checkpointing(stage: int, deepspeed_own: bool = False) -> dict[str, list[float]]:
+    """Losses of the block recomputed each way under bf16 autocast: autocastzero's, or with
+    ``deepspeed_own`` DeepSpeed's ``torch_autocast`` with DeepSpeed's checkpointing (run it last)."""
+    import deepspeed
+
+    import zerohooks
+
+    out: dict[str, list[float]] = {}
+    ways = ("deepspeed",) if deepspeed_own else ("deepspeed", "torch", "none")
+    for how in ways:
+        model = checkpointed_model(how)
+        if deepspeed_own:
+            cfg = ds_config(stage, "fp32", gas=GAS, torch_autocast={"enabled": True, "dtype": "bfloat16"})
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        else:
+            cfg = ds_config(stage, "fp32", gas=GAS, sections={"autocastzero": {"dtype": "bfloat16"}})
+            engine, *_ = zerohooks.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        out[how] = train(engine, STEPS, GAS)
+    return out
+
+
 def all_two_rank_scenarios(ckpt_dir: str) -> dict[str, Any]:
     """Every 2-rank scenario, in one launch."""
     res: dict[str, Any] = {"scale_rule": scale_rule_vs_deepspeed()}
@@ -415,8 +467,12 @@ def all_two_rank_scenarios(ckpt_dir: str) -> dict[str, Any]:
     for stage in STAGES:
         res[f"fp16_z{stage}"] = scenario_fp16(stage)
         res[f"resume_z{stage}"] = scenario_resume(stage, ckpt_dir)
+    for stage in (2, 3):
+        res[f"ckpt_z{stage}"] = scenario_checkpointing(stage)
     # DeepSpeed's own torch_autocast last: it sets process-wide flags
     for stage in (1, 2, 3):
         engine = deepspeed_autocast(stage)
         res[f"ds_z{stage}"] = {"losses": train(engine, STEPS, GAS)}
+    for stage in (2, 3):
+        res[f"ds_ckpt_z{stage}"] = scenario_checkpointing(stage, deepspeed_own=True)
     return res

@@ -202,6 +202,38 @@ def training_scenario(
     return out
 
 
+ROUTER = "moe.deepspeed_moe.gate.wg"
+"""The MoE model's router (:class:`zerohooks.testing.toy.MoENet`)."""
+ROUTER_GLOB = "*.deepspeed_moe.gate.wg"
+"""What mixedlayers' README tells users to keep: every DeepSpeed MoE router of a model."""
+
+
+def moe_router_scenario(stage: int) -> dict[str, Any]:
+    """A bf16 MoE model (2 experts, one per rank) with and without its router kept in fp32."""
+    import zerohooks
+    from zerohooks.testing.toy import MoENet, moe_parameters
+
+    out: dict[str, Any] = {}
+    for name, sections in (("bf16", {}), ("router_fp32", {"mixedlayers": {"fp32_modules": [ROUTER_GLOB]}})):
+        torch.manual_seed(0)
+        model = MoENet()
+        cfg = ds_config(stage, "bf16", gas=GAS, sections=sections, optimizer=OPTIMIZER)
+        engine, *_ = zerohooks.initialize(model=model, model_parameters=moe_parameters(model), config=cfg)
+        losses = train(engine, STEPS, GAS)
+        weight = engine.module.get_submodule(ROUTER).weight
+        att = zerohooks.attachment(engine)
+        assert att is not None
+        out[name] = {
+            "losses": losses,
+            "dtype": str(weight.dtype).removeprefix("torch."),
+            "weight": weight.detach().float().clone(),
+            "master": masters(engine)[ROUTER + ".weight"],
+            "bytes": att.counters.total(),
+            "router_numel": weight.numel(),
+        }
+    return out
+
+
 def all_two_rank_scenarios(tmp: str) -> dict[str, Any]:
     """Every 2-rank scenario of the folder (one launch)."""
     results: dict[str, Any] = {}
@@ -211,6 +243,7 @@ def all_two_rank_scenarios(tmp: str) -> dict[str, Any]:
     results["frozen"] = {f"z{stage}": frozen_scenario(stage) for stage in (2, 3)}
     results["client_optimizer"] = client_optimizer_scenario()
     results["reinit"] = {f"z{stage}": reinit_scenario(stage) for stage in (2, 3)}
+    results["moe_router"] = {f"z{stage}": moe_router_scenario(stage) for stage in (1, 2)}
     return _portable(results)
 
 

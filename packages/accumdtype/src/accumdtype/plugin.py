@@ -10,11 +10,18 @@ import torch
 import zerohooks
 from accumdtype.access import check_internals
 from accumdtype.checkpoint import AccumCheckpoint, check_save
-from accumdtype.config import AccumDtypeConfig, Plan, apply_plan, make_plan
+from accumdtype.config import AccumDtypeConfig, Plan, apply_plan, dtype_name, make_plan
 from accumdtype.state import AccumState, accumulate, end_window, hand_to_optimizer, reduction_tensor
-from zerohooks import PluginConfig, SetupContext, StepContext, ZeroPlugin
+from zerohooks import ConfigError, PluginConfig, SetupContext, StepContext, ZeroPlugin
 from zerohooks.adapter import gradview, seams
-from zerohooks.hookspec import AfterStepHook, BeforeStepHook, MicroStepGradHook, ReduceTensorHook
+from zerohooks.adapter.dsrules import is_pipeline_model
+from zerohooks.hookspec import (
+    AfterStepHook,
+    BeforeStepHook,
+    MicroStepGradHook,
+    PrepareModelHook,
+    ReduceTensorHook,
+)
 from zerohooks.registry import FIRST, LAST, HookRegistry
 
 __all__ = ["FIRST", "LAST", "AccumDtypePlugin"]
@@ -60,6 +67,7 @@ class AccumDtypePlugin(ZeroPlugin):
         state = self.state = AccumState(plan)
         name = self.name
         if plan.mechanism == "own":
+            registry.register_prepare_model(_refuse_pipeline(plan), name=name)
             registry.register_micro_step_grad(_micro_step(state), name=name, order=LAST)
             registry.register_reduce_tensor(_reduce_tensor(state), name=name, order=FIRST)
             registry.register_before_step(_before_step(state), name=name, order=FIRST)
@@ -98,6 +106,32 @@ def _micro_step(state: AccumState) -> MicroStepGradHook:
         accumulate(state, param)
 
     return micro_step_grad
+
+
+def _refuse_pipeline(plan: Plan) -> PrepareModelHook:
+    """ZeRO 0 with this plugin's own buffers: refuse a DeepSpeed pipeline before it is built.
+
+    DeepSpeed's pipeline engine does not reduce ``param.grad`` there: for a bf16 model it builds
+    its own bf16 optimizer, which copies ``param.grad`` into its buffers after each backward and
+    reduces and steps from them; the buffers here take ``param.grad`` over at every micro-step,
+    so that optimizer finds no gradient and fails in its norm (probed: "stack expects a non-empty
+    TensorList" inside DeepSpeed).  ZeRO 1 trains pipelines, with data parallelism too.
+    """
+
+    def prepare_model(model: torch.nn.Module, ctx: SetupContext) -> torch.nn.Module | None:
+        if is_pipeline_model(model):
+            raise ConfigError(
+                "accumdtype does not support a DeepSpeed pipeline (the model is a PipelineModule) on "
+                f"ZeRO 0 (zero_optimization.stage 0) with {dtype_name(plan.accum_dtype)} accumulation of a "
+                f"{dtype_name(plan.model_dtype)} model: DeepSpeed's pipeline engine reduces gradients its own way "
+                "there (for a bf16 model in its own optimizer, which never sees accumdtype's buffers and fails "
+                "inside DeepSpeed; other model dtypes untested); use "
+                'zero_optimization.stage 1 (accumdtype trains pipelines there), or remove the "accumdtype" '
+                "section"
+            )
+        return None
+
+    return prepare_model
 
 
 def _reduce_tensor(state: AccumState) -> ReduceTensorHook:

@@ -247,14 +247,14 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 def _all_to_all(topo: Topology, out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
     """Issue an equal-split all-to-all: point to point on gloo (see :mod:`loco.p2p`)."""
-    if topo.point_to_point and p2p.preferred(group):
+    if topo.point_to_point and p2p.preferred(group, inp):
         return p2p.all_to_all_single(out, inp, group)
     return dist.all_to_all_single(out, inp, group=group, async_op=True)
 
 
 def _gather_across(topo: Topology, out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
     """Issue the all-gather among one rank per node: point to point on gloo."""
-    if topo.point_to_point and p2p.preferred(group):
+    if topo.point_to_point and p2p.preferred(group, inp):
         return p2p.all_gather(out, inp, group)
     return _all_gather(out, inp, group=group, async_op=True)
 

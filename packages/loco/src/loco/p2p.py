@@ -61,9 +61,15 @@ class Exchange:
         return all(w.is_completed() for w in self.works)
 
 
-def preferred(group: Any) -> bool:
-    """Whether loco exchanges on ``group`` point to point (gloo with more than one rank)."""
-    return dist.get_backend(group) == "gloo" and dist.get_world_size(group) > 1
+def preferred(group: Any, tensor: torch.Tensor) -> bool:
+    """Whether loco exchanges ``tensor`` on ``group`` point to point: gloo, more than one rank,
+    and host memory.  gloo's point-to-point operations abort the sending process on device
+    memory (H100, torch 2.11: ``pair.cc:339 writev ... Bad address``, the GPU suite's multirank
+    section, 2026-11-27), while its collectives take CUDA tensors; so device buffers keep gloo's
+    collectives (on a GPU the backend is NCCL anyway)."""
+    return (
+        dist.get_backend(group) == "gloo" and dist.get_world_size(group) > 1 and tensor.device.type == "cpu"
+    )
 
 
 def _issue(pairs: Sequence[tuple[str, torch.Tensor, int]], group: Any) -> Exchange:

@@ -193,8 +193,11 @@ def _mark_prepared(model: nn.Module) -> None:
 def _refuse_pipeline(model: nn.Module) -> None:
     if is_pipeline_model(model):
         raise ConfigError(
-            "mixedlayers does not support DeepSpeed pipelines (the model is a PipelineModule): probed on 2 "
-            "ranks, the pipeline's first step hangs; remove the mixedlayers section to train the pipeline, "
+            "mixedlayers does not support DeepSpeed pipelines (the model is a PipelineModule): its parameters "
+            "go to one optimizer group per dtype, stages with different dtypes hold different numbers of "
+            "groups, and DeepSpeed's ZeRO optimizer all-reduces the gradient norm over the stages once per "
+            "group, so the first step hangs (probed on 2 ranks); remove the mixedlayers section to "
+            "train the pipeline, "
             "or build the model as one module (no PipelineModule) to keep layers in fp32"
         )
 

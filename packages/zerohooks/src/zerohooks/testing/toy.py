@@ -72,6 +72,38 @@ def pipeline_layers(net: TinyNet) -> list[nn.Module]:
     return [_EmbedMean(net.emb), net.fc1, net.norm, nn.GELU(), net.fc2]
 
 
+class MoENet(TinyNet):
+    """:class:`TinyNet` with a 2-expert DeepSpeed MoE layer beside its hidden block (``ep_size``
+    2: one expert per rank on 2 ranks, k=1, no token dropped); the router is
+    ``moe.deepspeed_moe.gate.wg``."""
+
+    def __init__(self, mult: int = 4) -> None:
+        from deepspeed.moe.layer import MoE
+
+        super().__init__(mult=mult)
+        width = self.fc2.in_features
+        self.moe = MoE(
+            width, nn.Linear(width, width), num_experts=2, ep_size=2, k=1, min_capacity=0, drop_tokens=False
+        )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.gelu(self.norm(self.fc1(self.emb(tokens).mean(dim=1))))
+        mixed, _aux, _counts = self.moe(h)
+        out: torch.Tensor = self.fc2(h + mixed)
+        return out
+
+
+def moe_parameters(model: nn.Module) -> list[dict[str, Any]]:
+    """``model``'s parameters as DeepSpeed's MoE wants them handed to ``initialize``: the expert
+    parameters in their own groups."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    groups: list[dict[str, Any]] = split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(model.parameters()), "name": "all"}
+    )
+    return groups
+
+
 def make_model(seed: int = 0, **kwargs: Any) -> TinyNet:
     """A :class:`TinyNet` with weights drawn from ``seed`` (same on every rank)."""
     torch.manual_seed(seed)
