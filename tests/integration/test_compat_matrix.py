@@ -13,6 +13,10 @@ shared between cells) and tries every refused configuration; the tests then judg
   the same feature (identical losses); ``engine.compile`` (backend ``aot_eager``) against the
   same plugin uncompiled (nvmeswap: plain DeepSpeed compiled), and its graph breaks (dynamo's
   counter) against plain DeepSpeed compiled on the same stage;
+* the universal-checkpoint row (:mod:`universal_runs`): saved on 2 ranks and converted by
+  DeepSpeed's ``ds_to_universal``, resumed on 2 ranks (the uninterrupted run's losses, as plain
+  DeepSpeed's) and, in a 1-rank launch of its own, on 1 rank (the first step identical, the rest
+  within the plugin's tolerance of plain DeepSpeed's own universal load on 1 rank);
 * ``refused`` cells raise zerohooks' ``ConfigError`` at ``initialize`` naming the plugin and the
   DeepSpeed key, and saying what to do instead;
 * the README's matrix (top level and each package) is the table rendered.
@@ -38,6 +42,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import compat_matrix  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import universal_runs  # noqa: E402
+
 PLUGINS = ("accumdtype", "autocastzero", "mixedlayers", "loco", "nvmeswap")
 STEPS, GAS = 3, 2
 MIXED = {"fp32_modules": ["fc2"], "fp32_module_types": ["torch.nn.LayerNorm"]}
@@ -48,11 +55,19 @@ SECTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixedlayers": ("bf16", {"mixedlayers": MIXED}),
     "loco": ("bf16", {"loco": {"exact_below": 0}}),
     "all": ("bf16", {"accumdtype": {"dtype": "fp32"}, "mixedlayers": MIXED, "loco": {"exact_below": 0}}),
+    "autocastzero-fp16": ("fp32", {"autocastzero": {"dtype": "float16"}}),
     "ds-accum": ("bf16", {"data_types": {"grad_accum_dtype": "fp32"}}),
     "ds-autocast": ("fp32", {"torch_autocast": {"enabled": True, "dtype": "torch.bfloat16"}}),
 }
 """Each column's plugin sections on the toy model (``none``: plain DeepSpeed, the oracle;
-``ds-accum``, ``ds-autocast``: DeepSpeed's own equivalents of accumdtype and autocastzero)."""
+``ds-accum``, ``ds-autocast``: DeepSpeed's own equivalents of accumdtype and autocastzero;
+``autocastzero-fp16`` only for a refusal: :data:`LIMIT_REFUSED`)."""
+LIMIT_REFUSED = (
+    ("universal", "autocastzero-fp16", 2),
+    ("universal", "mixedlayers", 3),
+    ("universal", "all", 3),
+)
+"""The refusals a ``limit`` cell states (row, column, stage): checked as the refused cells are."""
 CLIP = 0.05
 FEATURES: dict[str, dict[str, Any]] = {
     "clip": {"gradient_clipping": CLIP},
@@ -233,7 +248,10 @@ def _plan() -> tuple[list[tuple[str, int, str | None]], list[tuple[str, str, int
             refused.append((row, column, stage))
             continue
         for stage in cell.stages:
-            if column == "nvmeswap":
+            if row == "universal":  # oracle: plain DeepSpeed's own universal load (universal_runs)
+                need((column, stage, row))
+                need(("none", stage, row))
+            elif column == "nvmeswap":
                 need((column, stage, row))
                 need((_nvme_oracle(row), stage, row))
             elif row in COMPARED_WITH_DEEPSPEED:
@@ -287,7 +305,8 @@ def _run_all(tmp: str, runs: list[tuple[str, int, str | None]], refused: list[tu
     for i, (column, stage, feature) in enumerate(runs):
         folder = f"{tmp}/run{i}/r{rank}"
         model = _model(feature)
-        cfg = _config(column, stage, feature, folder)
+        # a universal run trains and saves without load_universal, its resumed engine loads with it
+        cfg = _config(column, stage, None if feature == "universal" else feature, folder)
         engine, *_ = zerohooks.initialize(
             model=model, model_parameters=_parameters(model, feature), config=cfg
         )
@@ -295,6 +314,17 @@ def _run_all(tmp: str, runs: list[tuple[str, int, str | None]], refused: list[tu
             torch._dynamo.reset()
             counters.clear()
             engine.compile(backend=COMPILE_BACKEND)
+        if feature == "universal":
+            train(engine, universal_runs.SAVED, GAS)
+            uni = universal_runs.save_convert_resume(
+                engine,
+                _universal_engine(column, stage, folder),
+                universal_runs.folder(tmp, column, stage),
+                GAS,
+            )
+            trained[json.dumps([column, stage, feature])] = uni
+            zerohooks.detach(engine)
+            continue
         losses = _train_pipeline(engine) if feature in ("pipe", "pipe_dp") else train(engine, STEPS, GAS)
         norm = engine.get_global_grad_norm()
         # None where DeepSpeed keeps no norm (a plain torch optimizer: ZeRO 0 with an fp32 model)
@@ -316,13 +346,39 @@ def _run_all(tmp: str, runs: list[tuple[str, int, str | None]], refused: list[tu
         folder = f"{tmp}/refused/r{rank}"
         model = _model(row)
         cfg = _config(column, stage, row, folder)
+        key = json.dumps([row, column, stage] if (row, column, stage) in LIMIT_REFUSED else [row, column])
         try:
             zerohooks.initialize(model=model, model_parameters=_parameters(model, row), config=cfg)
         except ConfigError as e:
-            errors[json.dumps([row, column])] = str(e)
+            errors[key] = str(e)
         else:
-            errors[json.dumps([row, column])] = None
+            errors[key] = None
     return json.dumps({"trained": trained, "errors": errors})
+
+
+def _universal_engine(column: str, stage: int, folder: str) -> Any:
+    """How :mod:`universal_runs` builds the engine that loads a universal checkpoint: a fresh
+    model, ``column``'s plugins, ``"checkpoint": {"load_universal": true}``."""
+
+    def make() -> tuple[Any, int]:
+        import zerohooks
+
+        model = _model("universal")
+        cfg = _config(column, stage, "universal", folder)
+        engine, *_ = zerohooks.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)
+        return engine, GAS
+
+    return make
+
+
+def _resume_one_rank(tmp: str, runs: list[tuple[str, int]]) -> str:
+    """On 1 rank: each universal checkpoint the 2-rank launch converted, resumed (its losses)."""
+    out = {}
+    for column, stage in runs:
+        make = _universal_engine(column, stage, f"{tmp}/one/{column}-{stage}")
+        resumed = universal_runs.resume(make, universal_runs.folder(tmp, column, stage))
+        out[json.dumps([column, stage])] = resumed["losses"]
+    return json.dumps(out)
 
 
 def _launch(
@@ -338,14 +394,27 @@ def _launch(
     from zerohooks.testing import run_distributed
 
     tmp = str(tmp_path_factory.mktemp(f"compat{world}"))
-    return [
+    found = [
         json.loads(r) for r in run_distributed(_run_all, world, args=(tmp, runs, refused), timeout=timeout)
     ]
+    return [{**rank, "tmp": tmp} for rank in found]
 
 
 @pytest.fixture(scope="module")
 def found(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _launch(tmp_path_factory, 2, *_plan(), timeout=1200)
+    runs, refused = _plan()
+    return _launch(tmp_path_factory, 2, runs, [*refused, *LIMIT_REFUSED], timeout=1200)
+
+
+@pytest.fixture(scope="module")
+def one_rank(found: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """The universal checkpoints the 2-rank launch converted, each resumed on 1 rank."""
+    from zerohooks.testing import run_distributed
+
+    tmp = found[0]["tmp"]
+    runs = sorted({tuple(json.loads(k)[:2]) for k in found[0]["trained"] if json.loads(k)[2] == "universal"})
+    (out,) = run_distributed(_resume_one_rank, 1, args=(tmp, runs), timeout=600)
+    return dict(json.loads(out))
 
 
 def test_table_is_whole() -> None:
@@ -404,7 +473,7 @@ def _check_compiled(found: list[dict[str, Any]], column: str, stage: int, cell: 
 @pytest.mark.multirank
 def test_trained_cells_match_their_oracle(found: list[dict[str, Any]]) -> None:
     for (row, column), cell in compat_matrix.MATRIX.items():
-        if cell.kind == "refused" or row in compat_matrix.FOUR_RANK_ROWS:
+        if cell.kind == "refused" or row in compat_matrix.FOUR_RANK_ROWS or row == "universal":
             continue
         for stage in cell.stages:
             for rank in found:
@@ -460,6 +529,34 @@ def _check_refusal(message: str | None, row: str, column: str, keywords: tuple[s
     for word in keywords:
         assert word in message, (row, column, word, message)
     assert any(w in message for w in ("remove", "use ", "load a regular")), (row, column, message)
+
+
+@pytest.mark.multirank
+def test_universal_cells_match_their_oracle(
+    found: list[dict[str, Any]], one_rank: dict[str, list[float]]
+) -> None:
+    """Saved on 2 ranks and converted by ``ds_to_universal``: resumed on 2 ranks, the
+    uninterrupted run's losses (as plain DeepSpeed's own universal load gives; loco, whose error
+    feedback restarts: the first step identical, then within the cell's tolerance of it and within
+    the plugin's own distance to plain DeepSpeed, doubled plus 1e-3, of DeepSpeed's); resumed on 1 rank,
+    the first step identical to rank 0's uninterrupted one (the weights were carried), the later
+    steps those of 1 rank (not the 2-rank run's), within the plugin's own distance to plain
+    DeepSpeed (doubled, plus 1e-3) of plain DeepSpeed's universal load on 1 rank."""
+    for (row, column), cell in compat_matrix.MATRIX.items():
+        if row == "universal" and cell.kind != "refused":
+            universal_runs.check_cell(found, one_rank, column, cell, GAS)
+
+
+@pytest.mark.multirank
+def test_limits_refused_as_stated(found: list[dict[str, Any]]) -> None:
+    """What a ``limit`` cell says is refused raises our error naming the plugin, the key and the fix."""
+    for rank in found:
+        for row, column, stage in LIMIT_REFUSED:
+            message = rank["errors"][json.dumps([row, column, stage])]
+            assert message is not None, f"{row} with {column} on ZeRO {stage}: initialize accepted it"
+            name = "mixedlayers" if column == "all" else column.split("-")[0]
+            assert name in message and "load_universal" in message, (column, message)
+            assert "load a regular" in message, (column, message)
 
 
 # -- the 4-rank rows (compat_matrix.FOUR_RANK_ROWS): one launch of 4 ranks for all their cells -------

@@ -106,6 +106,15 @@ class AccumCheckpoint:
             "accum": tensors,
         }
 
+    def load_universal(self) -> None:
+        """After a universal load (``ds_to_universal``, any number of ranks): nothing to carry.
+        At a window boundary, where ZeRO 2/3 saves are made, the state is the position only, and
+        the resumed run starts a window as plain DeepSpeed does; accumdtype's own buffers (ZeRO 0)
+        are cleared.  A ZeRO 0/1 checkpoint saved inside a window restarts it, as plain
+        DeepSpeed's (the rank-local partial sums cannot be resharded)."""
+        for buf in self.state.buffers:
+            buf.zero_()
+
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         state = self.state
         if saved.get("format") != FORMAT:

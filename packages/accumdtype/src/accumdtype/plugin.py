@@ -15,7 +15,6 @@ from accumdtype.state import AccumState, accumulate, end_window, hand_to_optimiz
 from zerohooks import ConfigError, PluginConfig, SetupContext, StepContext, ZeroPlugin
 from zerohooks.adapter import gradview, seams
 from zerohooks.adapter.dsrules import is_pipeline_model
-from zerohooks.dsconfig import read_settings, refuse_universal_load
 from zerohooks.hookspec import (
     AfterStepHook,
     BeforeStepHook,
@@ -56,12 +55,6 @@ class AccumDtypePlugin(ZeroPlugin):
 
     # -- before DeepSpeed ---------------------------------------------------------------------
     def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
-        refuse_universal_load(
-            read_settings(ds_config),
-            "accumdtype",
-            "its accumulation buffers and checkpoint state are saved per rank and ds_to_universal does not "
-            "convert them (untested)",
-        )
         self.plan = make_plan(self.cfg, self.deepspeed)
         apply_plan(self.plan, ds_config)
 

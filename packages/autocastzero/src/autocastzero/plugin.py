@@ -118,11 +118,13 @@ class AutocastZeroPlugin(ZeroPlugin):
 
     @override
     def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
-        refuse_universal_load(
-            read_settings(ds_config),
-            "autocastzero",
-            "its loss-scaler state is saved per rank and ds_to_universal does not convert it (untested)",
-        )
+        if self.cfg.dtype == "float16":  # bfloat16 keeps no state: DeepSpeed's universal load is all
+            refuse_universal_load(
+                read_settings(ds_config),
+                "autocastzero",
+                'with "dtype": "float16" its loss scaler is saved in its own per-rank state, which '
+                "ds_to_universal does not convert (bfloat16 keeps no state and is supported)",
+            )
         check_deepspeed_config(self.cfg, ds_config)
 
     @override

@@ -14,7 +14,7 @@ from typing_extensions import override
 import zerohooks
 from loco import comm, ops
 from loco.config import LocoConfig
-from loco.state import LocoState, after_step, begin_call, load_state_dict, state_dict
+from loco.state import LocoState, after_step, begin_call, load_state_dict, reset_errors, state_dict
 from zerohooks import (
     ConfigError,
     GradientReducer,
@@ -27,7 +27,7 @@ from zerohooks import (
     next_loss_scale,
 )
 from zerohooks.adapter import seams
-from zerohooks.dsconfig import read_settings, refuse_universal_load
+from zerohooks.dsconfig import read_settings
 from zerohooks.registry import HookRegistry
 
 __all__ = ["LocoGatherer", "LocoPlugin", "LocoReducer", "param_key"]
@@ -206,11 +206,6 @@ class LocoPlugin(ZeroPlugin):
                 "collective and does not span DeepSpeed's sequence-parallel groups (Ulysses); remove "
                 "sequence_parallel_size (or the loco section)"
             )
-        refuse_universal_load(
-            settings,
-            "loco",
-            "its error-feedback buffers are saved per rank and ds_to_universal does not convert them",
-        )
         if "zero_quantized_gradients" in settings.quantized:
             raise ConfigError(
                 "loco owns the gradient collective and replaces ZeRO++'s quantized gradients: remove "
@@ -311,6 +306,24 @@ class LocoPlugin(ZeroPlugin):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_state_dict(self.state, state)
+
+    def load_universal(self) -> None:
+        """After a universal load (``ds_to_universal``): the error-feedback buffers restart at zero.
+        They are per rank and shaped by the partitioning, and the converter does not copy them, so
+        the resumed run loses the compression error they held (one warning, on rank 0)."""
+        state = self.state
+        reset_errors(state)
+        state.window = None
+        state.loss_scale = None  # taken from the next step; nothing to rescale
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            warnings.warn(
+                "loco: loaded a universal checkpoint, which does not carry loco's error-feedback "
+                "buffers (per rank and partition-shaped; ds_to_universal converts DeepSpeed's files "
+                "only): they restart at zero, so the first steps' compression errors are not fed back; "
+                "to resume bit for bit, load a regular checkpoint on the same number of ranks",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
 
 def _device_type() -> str:

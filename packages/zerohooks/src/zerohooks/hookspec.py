@@ -300,6 +300,13 @@ class StateProvider(Protocol):
 
     Each rank saves its own state (one file per rank in the checkpoint tag folder), so state may
     be rank-local (error-feedback buffers, partitions of accumulation buffers).
+
+    Optional: ``load_universal(self) -> None``, called instead of :meth:`load_state_dict` after
+    DeepSpeed loaded a universal checkpoint (``ds_to_universal`` output, possibly on another
+    number of ranks), which holds no plugin state.  A provider without it makes such a load fail
+    with ``CheckpointStateError``; a plugin that cannot resume from a universal checkpoint should
+    refuse ``checkpoint.load_universal`` at ``initialize``
+    (:func:`zerohooks.dsconfig.refuse_universal_load`).
     """
 
     def state_dict(self) -> dict[str, Any]:

@@ -33,9 +33,11 @@ load cannot mix checkpoints.  A missing, linked or malformed tag is a
 A checkpoint and the engine loading it must agree on which plugins keep state, and every
 state file must pass its checksum; any mismatch or damage on any rank is a
 :class:`~zerohooks.errors.CheckpointStateError` on every rank naming the file and the rank, never
-a silent change of the run.  ``load_module_only=True`` and ``load_optimizer_states=False`` load
-weights only: plugin state is neither read nor required, and the plugins start fresh (one
-warning, on rank 0).
+a silent change of the run.  A universal checkpoint (``ds_to_universal`` output, loaded with
+``checkpoint.load_universal``) carries no plugin-state file: each plugin keeping state restarts
+it through its provider's ``load_universal()`` (:func:`_load_universal`).
+``load_module_only=True`` and ``load_optimizer_states=False`` load weights only: plugin state is
+neither read nor required, and the plugins start fresh (one warning, on rank 0).
 """
 
 from __future__ import annotations
@@ -441,7 +443,28 @@ def _apply(att: Attachment, payload: dict[str, Any]) -> None:
         att.registry.states[name].load_state_dict(payload["states"][name])
 
 
+def _load_universal(att: Attachment) -> None:
+    """A universal checkpoint (``ds_to_universal`` output) holds no zerohooks plugin-state file:
+    the converter copies DeepSpeed's files only.  Each plugin keeping state is told so through its
+    provider's ``load_universal()`` (it restarts what is rank-local, or takes what DeepSpeed's own
+    universal load restored); a provider without it is refused on every rank."""
+    lacking = [
+        n for n, p in sorted(att.registry.states.items()) if not callable(getattr(p, "load_universal", None))
+    ]
+    if lacking:
+        raise CheckpointStateError(
+            f"the plugins {lacking} keep state that a universal checkpoint does not carry (ds_to_universal "
+            "converts DeepSpeed's files only); load a regular checkpoint on the same number of ranks, or load "
+            "the universal checkpoint without their config sections"
+        )
+    for name in sorted(att.registry.states):
+        att.registry.states[name].load_universal()  # type: ignore[attr-defined]
+
+
 def _load(att: Attachment, load_dir: str, tag: str) -> None:
+    if _universal(att.engine):
+        _load_universal(att)
+        return
     if not att.registry.states:
         # no plugin keeps state: each rank only refuses state it would drop (no collective, as the
         # ranks of a half-saved checkpoint may disagree on whether a file exists)
