@@ -124,12 +124,11 @@ def _config(column: str, stage: int, feature: str | None, folder: str) -> dict[s
 
 
 def _model(feature: str | None) -> Any:
-    """The toy model, or for ``moe`` the toy model with a 2-expert DeepSpeed MoE layer
-    (``ep_size`` 2: one expert per rank, same initial weights on both, no token dropped)."""
+    """The toy model, or for ``moe`` :class:`~zerohooks.testing.toy.MoENet` (a 2-expert DeepSpeed
+    MoE layer, ``ep_size`` 2: one expert per rank, same initial weights on both, no token dropped)."""
     import torch
-    from torch import nn
 
-    from zerohooks.testing.toy import TinyNet, make_model
+    from zerohooks.testing.toy import MoENet, make_model
 
     if feature == "actckpt":
         return _checkpointed_model()
@@ -137,28 +136,6 @@ def _model(feature: str | None) -> Any:
         return _pipeline_model()
     if feature != "moe":
         return make_model(mult=4)
-    from deepspeed.moe.layer import MoE
-
-    class MoENet(TinyNet):
-        def __init__(self) -> None:
-            super().__init__(mult=4)
-            width = self.fc2.in_features
-            self.moe = MoE(
-                width,
-                nn.Linear(width, width),
-                num_experts=2,
-                ep_size=2,
-                k=1,
-                min_capacity=0,
-                drop_tokens=False,
-            )
-
-        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-            h = nn.functional.gelu(self.norm(self.fc1(self.emb(tokens).mean(dim=1))))
-            mixed, _aux, _counts = self.moe(h)
-            out: torch.Tensor = self.fc2(h + mixed)
-            return out
-
     torch.manual_seed(0)
     return MoENet()
 
@@ -215,11 +192,9 @@ def _train_pipeline(engine: Any) -> list[float]:
 def _parameters(model: Any, feature: str | None) -> Any:
     if feature != "moe":
         return list(model.parameters())
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    from zerohooks.testing.toy import moe_parameters
 
-    return split_params_into_different_moe_groups_for_optimizer(
-        {"params": list(model.parameters()), "name": "all"}
-    )
+    return moe_parameters(model)
 
 
 def _expert(model: Any) -> list[float]:
