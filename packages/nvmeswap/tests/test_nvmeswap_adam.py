@@ -175,3 +175,14 @@ def test_refusal_names_what_is_unsupported(make, needle: str) -> None:  # type: 
     assert why is not None and needle in why
     assert fused.refusal(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])) is None
     assert fused.refusal(torch.optim.Adam([torch.nn.Parameter(torch.zeros(3))], weight_decay=0.1)) is None
+
+
+def test_the_load_time_check_can_fail_and_says_where(fused_kernel: bool) -> None:
+    """The check that picks the kernel's rounding at load: the other rounding (fused
+    multiply-adds where torch uses none, or the reverse) must disagree with torch, and the reason
+    names the optimizer, the tensor and the first element that differs."""
+    if not fused_kernel:
+        pytest.fail(f"the fused Adam kernel did not build: {adam.build_error()}")
+    assert adam._disagreement(adam.uses_fma()) is None
+    why = adam._disagreement(not adam.uses_fma())
+    assert why is not None and "differs in" in why and "first at" in why, why

@@ -72,9 +72,10 @@ def _simd_flags() -> tuple[str, list[str]]:
     return "nvmeswap_adam_portable", []
 
 
-def _agrees_with_torch(fma: bool) -> bool:
+def _disagreement(fma: bool) -> str | None:
     """The kernel against torch's own Adam and AdamW on one odd-length slice (a block and a
-    tail), every gradient dtype, both lerp branches, both kinds of weight decay, a grad scale."""
+    tail), every gradient dtype, both lerp branches, both kinds of weight decay, a grad scale:
+    None when every result is bitwise torch's, else where the first one differs."""
     n = 4097
     gen = torch.Generator().manual_seed(0)
     for gdt in (torch.bfloat16, torch.float16, torch.float32, None):
@@ -91,23 +92,38 @@ def _agrees_with_torch(fma: bool) -> bool:
                 h = AdamHyper(1e-2, beta1, 0.999, 1e-8, 0.05, cls is torch.optim.AdamW, float(k + 1))
                 torch.ops.nvmeswap.adam_step_(p, m, v, g, 0.37, *h.args(), fma)
             st = opt.state[q]
-            if not (
-                torch.equal(p, q.data) and torch.equal(m, st["exp_avg"]) and torch.equal(v, st["exp_avg_sq"])
+            for what, ours, theirs in (
+                ("param", p, q.data),
+                ("exp_avg", m, st["exp_avg"]),
+                ("exp_avg_sq", v, st["exp_avg_sq"]),
             ):
-                return False
-    return True
+                if not torch.equal(ours, theirs):
+                    bad = (ours != theirs).nonzero().flatten()
+                    i = int(bad[0])
+                    return (
+                        f"{cls.__name__}, {gdt} gradients: {what} differs in {bad.numel()} of {n} elements, "
+                        f"first at {i} ({float(ours[i])!r} vs torch's {float(theirs[i])!r})"
+                    )
+    return None
 
 
 def _verify(module: Any) -> str | None:
     """Torch's AVX2/AVX-512 kernels fuse some multiply-adds, its portable ones do not: use the
-    rounding this torch uses, or none if neither agrees bit for bit."""
+    rounding this torch uses, or none if neither agrees bit for bit (the message says where each
+    differed first, and torch's CPU capability at that moment)."""
+    found = []
     for fma in (True, False):
-        if _agrees_with_torch(fma):
+        why = _disagreement(fma)
+        if why is None:
             _fma[0] = fma
             return None
+        found.append(f"{'with' if fma else 'without'} fused multiply-adds: {why}")
     return (
         "it does not reproduce this torch's Adam/AdamW bit for bit (CPU capability "
-        f"{_simd_flags()[0]}, torch {torch.__version__})"
+        f"{_simd_flags()[0]}, torch {torch.__version__} dispatching to "
+        f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads; "
+        + "; ".join(found)
+        + ")"
     )
 
 
