@@ -98,7 +98,7 @@ def _disagreement(fma: bool) -> str | None:
                 ("exp_avg_sq", v, st["exp_avg_sq"]),
             ):
                 if not torch.equal(ours, theirs):
-                    bad = (ours != theirs).nonzero().flatten()
+                    bad = (ours != theirs).nonzero()[:, 0]
                     i = int(bad[0])
                     return (
                         f"{cls.__name__}, {gdt} gradients: {what} differs in {bad.numel()} of {n} elements, "
