@@ -107,13 +107,27 @@ def _disagreement(fma: bool) -> str | None:
     return None
 
 
+def _serial_disagreement(fma: bool) -> str | None:
+    """:func:`_disagreement` with torch on one thread: the check is of the rounding, not of the
+    threads (their independence is the tests' ``test_threads_do_not_change_the_result``).  Two
+    clean CI runs saw torch's step of the 4097-element slice split over 2 threads at 2049 with
+    most of the second half off by a few ulps, and neither rounding then agreed; not reproduced
+    in a fresh process (cause not yet found)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _disagreement(fma)
+    finally:
+        torch.set_num_threads(before)
+
+
 def _verify(module: Any) -> str | None:
     """Torch's AVX2/AVX-512 kernels fuse some multiply-adds, its portable ones do not: use the
     rounding this torch uses, or none if neither agrees bit for bit (the message says where each
     differed first, and torch's CPU capability at that moment)."""
     found = []
     for fma in (True, False):
-        why = _disagreement(fma)
+        why = _serial_disagreement(fma)
         if why is None:
             _fma[0] = fma
             return None
