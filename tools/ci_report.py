@@ -6,7 +6,8 @@
 Reads what `.ci/run` leaves in the folder:
 
 - ``nox.log``: nox's output with timestamps (``nox -ts``), for each session's wall time (venv,
-  installs, kernel builds and pytest together) and its outcome;
+  installs, kernel builds and pytest together) and its outcome; lines of sessions run side by
+  side come prefixed ``[lane N] `` (tools/test_lanes.py), each lane read as its own sequence;
 - ``junit/*.xml``: one JUnit file per pytest run (the nox test sessions write them), for every
   test's wall time (setup, call and teardown) and outcome.
 
@@ -33,6 +34,7 @@ _END = re.compile(rf"^nox > {_STAMP} Session (.+?) (was successful|failed|skippe
 _ANY = re.compile(rf"^nox > {_STAMP} ")
 _VENV = re.compile(rf"^nox > {_STAMP} Creating virtual environment")
 _INSTALL = re.compile(rf"^nox > {_STAMP} install took ([0-9.]+) s")
+_LANE = re.compile(r"^\[lane (\d+)\] ")
 
 
 @dataclass
@@ -46,6 +48,8 @@ class Session:
     """Creating its virtual environment (from nox's line to the next one)."""
     install_seconds: float = 0.0
     """Installing packages into it (the noxfile's "install took" lines)."""
+    lane: int = 0
+    """The lane it ran in when sessions ran side by side (tools/test_lanes.py); 0: no lanes."""
 
 
 @dataclass
@@ -79,45 +83,51 @@ def _time(stamp: str) -> dt.datetime:
 
 
 def read_sessions(log: Path) -> tuple[list[Session], float | None]:
-    """Sessions in the order they ran, and the seconds from the first to the last stamped line."""
+    """Sessions in the order they ended, and the seconds from the first to the last stamped line.
+    Lines prefixed ``[lane N] `` belong to lane N's nox; each lane has its own current session."""
     sessions: list[Session] = []
-    started: dict[str, dt.datetime] = {}
+    started: dict[str, tuple[dt.datetime, int]] = {}
     parts: dict[str, list[float]] = {}  # session -> [venv seconds, install seconds]
-    current: str | None = None
-    venv_since: dt.datetime | None = None
+    current: dict[int, str] = {}  # lane -> its running session
+    venv_since: dict[int, dt.datetime] = {}
     first = last = None
-    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+    for raw in log.read_text(encoding="utf-8", errors="replace").splitlines():
+        lane_m = _LANE.match(raw)
+        lane = int(lane_m.group(1)) if lane_m else 0
+        line = raw[lane_m.end() :] if lane_m else raw
         stamp = _ANY.match(line)
         if stamp:
             now = _time(stamp.group(1))
-            first = first or now
-            last = now
-            if venv_since is not None and current is not None and not _VENV.match(line):
-                parts[current][0] += (now - venv_since).total_seconds()
-                venv_since = None
+            first = min(first, now) if first else now
+            last = max(last, now) if last else now
+            since = venv_since.get(lane)
+            if since is not None and lane in current and not _VENV.match(line):
+                parts[current[lane]][0] += (now - since).total_seconds()
+                del venv_since[lane]
         m = _START.match(line)
         if m:
-            current = m.group(2)
-            started[current] = _time(m.group(1))
-            parts[current] = [0.0, 0.0]
+            current[lane] = m.group(2)
+            started[m.group(2)] = (_time(m.group(1)), lane)
+            parts[m.group(2)] = [0.0, 0.0]
             continue
         m = _VENV.match(line)
-        if m and current is not None:
-            venv_since = _time(m.group(1))
+        if m and lane in current:
+            venv_since[lane] = _time(m.group(1))
             continue
         m = _INSTALL.match(line)
-        if m and current is not None:
-            parts[current][1] += float(m.group(2))
+        if m and lane in current:
+            parts[current[lane]][1] += float(m.group(2))
             continue
         m = _END.match(line)
         if m and m.group(2) in started:
             name = m.group(2)
-            seconds = (_time(m.group(1)) - started.pop(name)).total_seconds()
+            when, lane = started.pop(name)
+            seconds = (_time(m.group(1)) - when).total_seconds()
             outcome = {"was successful": "success"}.get(m.group(3), m.group(3))
-            sessions.append(Session(name, seconds, outcome, *parts.get(name, [0.0, 0.0])))
-    for name, when in started.items():  # cut by the time limit: no end line
+            sessions.append(Session(name, seconds, outcome, *parts.get(name, [0.0, 0.0]), lane=lane))
+    for name, (when, lane) in started.items():  # cut by the time limit: no end line
         seconds = ((last or when) - when).total_seconds()
-        sessions.append(Session(name, seconds, "unfinished", *parts.get(name, [0.0, 0.0])))
+        sessions.append(Session(name, seconds, "unfinished", *parts.get(name, [0.0, 0.0]), lane=lane))
     total = (last - first).total_seconds() if first and last else None
     return sessions, total
 
@@ -170,8 +180,18 @@ def render(report: Report, slowest: int) -> str:
         f"Tests: {c['run']} run, {c['passed']} passed, {c['failed']} failed, {c['error']} errors, "
         f"{c['skipped']} skipped.",
         "",
-        "| session | time | outcome | venv | installs | tests | test time | the rest (builds, collection) |",
-        "|---|---|---|---|---|---|---|---|",
+    ]
+    lanes = sorted({s.lane for s in report.sessions} - {0})
+    if lanes:
+        lines += [
+            f"Sessions ran side by side in {len(lanes)} lanes (tools/test_lanes.py); "
+            "a session's time is its own wall time, stretched by the lane beside it.",
+            "",
+        ]
+    lines += [
+        "| session | time | outcome | venv | installs | tests | test time | the rest (builds, collection) |"
+        + (" lane |" if lanes else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|" if lanes else ""),
     ]
     for s in report.sessions:
         mine = [t for t in report.tests if t.session == _safe(s.name)]
@@ -180,6 +200,7 @@ def render(report: Report, slowest: int) -> str:
         lines.append(
             f"| {s.name} | {_fmt(s.seconds)} | {s.outcome} | {_fmt(s.venv_seconds)} | "
             f"{_fmt(s.install_seconds)} | {len(mine)} | {_fmt(test_time)} | {_fmt(rest)} |"
+            + (f" {s.lane} |" if lanes else "")
         )
     lines += ["", f"Slowest {slowest} tests:", "", "| test | session | time | outcome |", "|---|---|---|---|"]
     for t in sorted(report.tests, key=lambda t: -t.seconds)[:slowest]:

@@ -90,6 +90,12 @@ _MOE_ORACLE = (
     "plain DeepSpeed with the same MoE model (losses within the plugin's tolerance; each rank's expert "
     "moves apart from the other's as much as there)"
 )
+_MOE_DP_ORACLE = (
+    "{oracle} with the same MoE model: losses within {tol}; each expert's two replicas end equal (reduced over "
+    "the expert-data-parallel group), the two experts apart, every other parameter equal on the 4 ranks"
+)
+_DS_BF16 = "plain bf16 DeepSpeed"
+_BF16_SPREAD = "plain bf16 DeepSpeed's own ZeRO 1 and ZeRO 2 runs differ by 0.012"
 _PIPE_ORACLE = "plain DeepSpeed with the same pipeline (losses within the plugin's tolerance)"
 _SP_LIMIT = (
     "groups and averaging checked (losses identical to the run without it) on a model without "
@@ -216,6 +222,53 @@ ROWS: tuple[Row, ...] = (
         },
     ),
     Row(
+        "moe_dp",
+        "DeepSpeed MoE layers with expert and data parallelism (4 ranks)",
+        "deepspeed.moe.layer.MoE(num_experts=2, ep_size=2) in the model, 4 ranks (each expert on 2 ranks, "
+        "the rest data parallel over 4)",
+        {
+            "accumdtype": Cell(
+                "works",
+                _MOE_DP_ORACLE.format(
+                    oracle="DeepSpeed's data_types.grad_accum_dtype fp32 on ZeRO 2",
+                    tol="2e-3 (measured 1e-3)",
+                )
+                + "; on ZeRO 1 DeepSpeed ignores grad_accum_dtype with MoE (its losses equal plain bf16's), "
+                "accumdtype's ZeRO 1 losses equal its ZeRO 2 ones",
+                (1, 2),
+                tolerance=2e-3,
+            ),
+            "autocastzero": Cell(
+                "works",
+                _MOE_DP_ORACLE.format(oracle="DeepSpeed's torch_autocast (bf16)", tol="0 (identical)"),
+                (1, 2),
+            ),
+            "mixedlayers": Cell(
+                "works",
+                _MOE_DP_ORACLE.format(oracle=_DS_BF16, tol=f"0.03 ({_BF16_SPREAD}; measured 0.012, 0.003)"),
+                (1, 2),
+                tolerance=0.03,
+            ),
+            "loco": Cell(
+                "limit",
+                _MOE_DP_ORACLE.format(oracle=_DS_BF16, tol="0.04 (measured 0.012, 0.017)")
+                + "; the expert-data-parallel groups (2 of the 4 ranks) take loco's flat exchange, never two-level",
+                (1, 2),
+                tolerance=0.04,
+            ),
+            "all": Cell(
+                "limit",
+                _MOE_DP_ORACLE.format(oracle=_DS_BF16, tol="0.04 (measured 0.015)") + "; as loco",
+                (1, 2),
+                tolerance=0.04,
+            ),
+            "nvmeswap": _r(
+                ("MoE", "stage"),
+                "as on 2 ranks: DeepSpeed has no native MoE on ZeRO 3; use CPU offload on ZeRO 1/2",
+            ),
+        },
+    ),
+    Row(
         "pipe",
         "pipeline parallelism",
         "deepspeed.pipe.PipelineModule(layers, num_stages=2) on 2 ranks (data parallel size 1), engine.train_batch",
@@ -328,7 +381,7 @@ ROWS: tuple[Row, ...] = (
 )
 """The matrix, row by row (the claim the tests check and the READMEs show)."""
 
-FOUR_RANK_ROWS: tuple[str, ...] = ("pipe_dp",)
+FOUR_RANK_ROWS: tuple[str, ...] = ("moe_dp", "pipe_dp")
 """The rows checked on 4 ranks (one launch of their own); every other row on 2."""
 
 MATRIX: dict[tuple[str, str], Cell] = {(row.key, col): row.cells[col] for row in ROWS for col in COLUMNS}

@@ -4,6 +4,9 @@ will run and how long each took on the project's 2-core machine (benchmarks/CI_T
     python tools/test_plan.py            # the default sessions (nox.options.sessions)
     python tools/test_plan.py -s lint    # the sessions named with -s/--session/--sessions
 
+The default sessions run in ZEROHOOKS_TEST_LANES lanes side by side (tools/test_lanes.py); the
+plan shows each lane and the longest lane's expected minutes.
+
 Reads noxfile.py and CI_TIME.md as text (no nox needed), so it runs before anything is installed.
 """
 
@@ -69,17 +72,36 @@ def measured_seconds() -> tuple[dict[str, float], str]:
     return out, source
 
 
-def plan(argv: list[str]) -> str:
-    sessions = chosen_sessions(argv) or default_sessions()
+def _said(took: float | None) -> str:
+    return "not measured" if took is None else f"{took:.0f} s" if took < 60 else f"{took / 60:.1f} min"
+
+
+def plan(argv: list[str], lanes: int = 1) -> str:
+    """The sessions and their measured minutes; with ``lanes`` > 1 and no sessions chosen, the
+    lanes tools/test_lanes.py deals them to (``lanes`` is its ZEROHOOKS_TEST_LANES)."""
+    import test_lanes  # a sibling script; imports this module, so imported here
+
+    chosen = chosen_sessions(argv)
+    sessions = chosen or default_sessions()
     seconds, _ = measured_seconds()
-    known = [seconds[s] for s in sessions if s in seconds]
     unknown = [s for s in sessions if s not in seconds]
+    if lanes > 1 and not test_lanes.wants_plain_nox(argv):
+        dealt = test_lanes.deal(sessions, seconds, lanes)
+        lines = [f"run.sh test: {len(sessions)} nox session(s) in {len(dealt)} lanes side by side:"]
+        sums = []
+        for i, lane in enumerate(dealt, start=1):
+            sums.append(sum(seconds.get(s, 0.0) for s in lane) / 60)
+            lines.append(f"  lane {i}: " + ", ".join(f"{s} ({_said(seconds.get(s))})" for s in lane))
+        lines.append(
+            f"expected: about {max(sums):.0f} min (the longest lane) on the project's idle 2-core machine"
+            + (f" plus {', '.join(unknown)}" if unknown else "")
+            + " (benchmarks/CI_TIME.md; more under load, less with more cores)"
+        )
+        return "\n".join(lines)
     lines = [f"run.sh test: {len(sessions)} nox session(s), one after another:"]
     for s in sessions:
-        took = seconds.get(s)
-        said = "not measured" if took is None else f"{took:.0f} s" if took < 60 else f"{took / 60:.1f} min"
-        lines.append(f"  {s:<20} {said}")
-    total = sum(known) / 60
+        lines.append(f"  {s:<20} {_said(seconds.get(s))}")
+    total = sum(seconds[s] for s in sessions if s in seconds) / 60
     lines.append(
         f"expected: about {total:.0f} min on the project's idle 2-core machine"
         + (f" plus {', '.join(unknown)}" if unknown else "")
@@ -89,7 +111,9 @@ def plan(argv: list[str]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    print(plan(argv), file=sys.stderr, flush=True)
+    import test_lanes
+
+    print(plan(argv, test_lanes.lanes_wanted()), file=sys.stderr, flush=True)
     return 0
 
 

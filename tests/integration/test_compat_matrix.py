@@ -22,9 +22,12 @@ shared between cells) and tries every refused configuration; the tests then judg
 * the README's matrix (top level and each package) is the table rendered.
 
 The rows of ``compat_matrix.FOUR_RANK_ROWS`` (the pipeline with data parallelism: 2 stages x data
-parallel 2) take one launch of 4 ranks of their own: each trained cell against DeepSpeed's own
-equivalent of the plugin (plain bf16 DeepSpeed for loco) within the cell's tolerance, the replicas
-of each stage ending with the same weights, and the refusals (the stages a cell does not claim too).
+parallel 2; MoE with expert and data parallelism: 2 experts, each on 2 ranks) take one launch of 4
+ranks of their own: each trained cell against DeepSpeed's own equivalent of the plugin (plain bf16
+DeepSpeed where it has none) within the cell's tolerance, the data-parallel replicas ending with
+the same weights (each pipeline stage's; on the MoE model each expert's, and everything else on
+all 4 ranks, the two experts apart), and the refusals (for the pipeline, the stages a cell does
+not claim too).
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ FEATURES: dict[str, dict[str, Any]] = {
     "offload_param": {"offload_param": {"device": "cpu"}},
     "sp": {"sequence_parallel_size": 2},
     "moe": {},
+    "moe_dp": {},
     "actckpt": {},
     "pipe": {"train_batch_size": 8},
     "pipe_dp": {"train_batch_size": 16},
@@ -134,7 +138,7 @@ def _model(feature: str | None) -> Any:
         return _checkpointed_model()
     if feature in ("pipe", "pipe_dp"):
         return _pipeline_model()
-    if feature != "moe":
+    if feature not in ("moe", "moe_dp"):
         return make_model(mult=4)
     torch.manual_seed(0)
     return MoENet()
@@ -190,7 +194,7 @@ def _train_pipeline(engine: Any) -> list[float]:
 
 
 def _parameters(model: Any, feature: str | None) -> Any:
-    if feature != "moe":
+    if feature not in ("moe", "moe_dp"):
         return list(model.parameters())
     from zerohooks.testing.toy import moe_parameters
 
@@ -245,13 +249,15 @@ def _plan() -> tuple[list[tuple[str, int, str | None]], list[tuple[str, str, int
     return runs, refused
 
 
-def _weights_digest(module: Any) -> str:
-    """A digest of the bytes of every parameter of this rank's pipeline stage."""
+def _weights_digest(module: Any, skip: str | None = None) -> str:
+    """A digest of the bytes of every parameter of this rank's pipeline stage (or model), those
+    whose name contains ``skip`` left out."""
     import hashlib
 
     digest = hashlib.sha256()
-    for p in module.parameters():
-        digest.update(p.detach().float().contiguous().numpy().tobytes())
+    for name, p in module.named_parameters():
+        if skip is None or skip not in name:
+            digest.update(p.detach().float().contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -311,8 +317,10 @@ def _run_all(tmp: str, runs: list[tuple[str, int, str | None]], refused: list[tu
             found["graph_breaks"] = sum(counters["graph_break"].values())
             found["graphs"] = counters["stats"]["unique_graphs"]
             torch._dynamo.reset()
-        if feature == "moe":
+        if feature in ("moe", "moe_dp"):
             found["expert"] = _expert(model)
+        if feature == "moe_dp":  # every parameter but the local expert's: the same on all ranks
+            found["shared"] = _weights_digest(engine.module, skip="deepspeed_experts")
         trained[json.dumps([column, stage, feature])] = found
         if zerohooks.attachment(engine) is not None:
             zerohooks.detach(engine)
@@ -541,6 +549,30 @@ by the plugin on a stage it does not claim."""
 PIPE_DP_ORACLE = {"accumdtype": "ds-accum", "autocastzero": "ds-autocast", "loco": "none"}
 """Each trained column's oracle on the 4-rank pipeline: DeepSpeed's own equivalent of the plugin
 (``data_types.grad_accum_dtype``, ``torch_autocast``), for loco plain bf16 DeepSpeed."""
+MOE_STAGES = (1, 2)
+"""The ZeRO stages DeepSpeed's native MoE layers train on (ZeRO 3 only with its AutoEP layers)."""
+MOE_DP_ORACLE = {
+    "accumdtype": "ds-accum@2",
+    "autocastzero": "ds-autocast",
+    "mixedlayers": "none",
+    "loco": "none",
+    "all": "none",
+}
+"""Each trained column's oracle on the 4-rank MoE model (2 experts, ``ep_size`` 2: each expert on
+2 ranks): DeepSpeed's own equivalent of the plugin where it has one, else plain bf16 DeepSpeed;
+``@2``: on ZeRO 2 whatever the cell's stage (DeepSpeed ignores ``grad_accum_dtype`` with MoE on
+ZeRO 1: its losses there equal plain bf16's, so they could not tell fp32 accumulation apart)."""
+
+
+def _oracle_run(oracle: str, stage: int) -> tuple[str, int]:
+    """An oracle of :data:`FOUR_RANK` as (column, stage) for a cell's ``stage``."""
+    col, _, at = oracle.partition("@")
+    return col, int(at) if at else stage
+
+
+FOUR_RANK = {"pipe_dp": (PIPE_STAGES, PIPE_DP_ORACLE), "moe_dp": (MOE_STAGES, MOE_DP_ORACLE)}
+"""Each 4-rank row's ZeRO stages (a trained cell must be refused on those it does not claim) and
+its columns' oracles."""
 
 
 def _plan_four() -> tuple[list[tuple[str, int, str | None]], list[tuple[str, str, int, tuple[str, ...]]]]:
@@ -549,18 +581,22 @@ def _plan_four() -> tuple[list[tuple[str, int, str | None]], list[tuple[str, str
     runs: list[tuple[str, int, str | None]] = []
     refused: list[tuple[str, str, int, tuple[str, ...]]] = []
     for row in compat_matrix.FOUR_RANK_ROWS:
+        stages, oracles = FOUR_RANK[row]
         for column in compat_matrix.COLUMNS:
             cell = compat_matrix.MATRIX[(row, column)]
             if cell.kind == "refused":
                 refused.append((row, column, 3 if column == "nvmeswap" else 1, cell.keywords))
                 continue
-            for stage in PIPE_STAGES:
+            for stage in stages:
                 if stage not in cell.stages:
                     refused.append((row, column, stage, ("PipelineModule", f"ZeRO {stage}")))
                     continue
-                for col in (column, PIPE_DP_ORACLE[column]):
-                    if (col, stage, row) not in runs:
-                        runs.append((col, stage, row))
+                for col, st in ((column, stage), _oracle_run(oracles[column], stage)):
+                    if (col, st, row) not in runs:
+                        runs.append((col, st, row))
+    # a pipeline engine leaves DeepSpeed's process-wide groups set for model parallelism: the
+    # pipelines train last
+    runs.sort(key=lambda run: run[2] == "pipe_dp")
     return runs, refused
 
 
@@ -571,32 +607,49 @@ def found_four(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]
     return _launch(tmp_path_factory, 4, runs, triples, timeout=900)
 
 
+def _replicas_agree(found_four: list[dict[str, Any]], row: str, col: str, stage: int) -> None:
+    """The data-parallel replicas ended with the same weights: each pipeline stage's two replicas;
+    on the MoE model every parameter but the experts on all 4 ranks, each expert's two replicas
+    alike, and the two experts (equal at the start) apart."""
+    runs = [rank["trained"][json.dumps([col, stage, row])] for rank in found_four]
+    if row == "pipe_dp":
+        digests: dict[int, set[str]] = {}
+        for run in runs:
+            digests.setdefault(run["stage_id"], set()).add(run["weights"])
+        assert sorted(digests) == [0, 1], (row, col, stage, digests)
+        assert all(len(d) == 1 for d in digests.values()), (row, col, stage, digests)
+        return
+    assert len({run["shared"] for run in runs}) == 1, (row, col, stage, [r["shared"] for r in runs])
+    experts: dict[str, int] = {}
+    for run in runs:
+        key = json.dumps(run["expert"])
+        experts[key] = experts.get(key, 0) + 1
+    assert sorted(experts.values()) == [2, 2], (row, col, stage, list(experts.values()))
+
+
 @pytest.mark.multirank
 def test_four_rank_cells_match_their_oracle(found_four: list[dict[str, Any]]) -> None:
     """Losses within the cell's tolerance of the oracle on every rank; loco's differ from plain
-    DeepSpeed's (its 4-bit exchange shows, so the comparison can fail); the two replicas of each
-    pipeline stage, trained on different batches, end with the same weights (their gradients were
-    reduced over the data-parallel group), for the plugin and its oracle alike."""
+    DeepSpeed's (its 4-bit exchange shows, so the comparison can fail); the data-parallel
+    replicas, trained on different batches, end with the same weights (their gradients were
+    reduced over the data-parallel group, the experts' over the expert-data-parallel group), for
+    the plugin and its oracle alike."""
     for row in compat_matrix.FOUR_RANK_ROWS:
+        _stages, oracles = FOUR_RANK[row]
         for column in compat_matrix.COLUMNS:
             cell = compat_matrix.MATRIX[(row, column)]
             if cell.kind == "refused":
                 continue
-            oracle = PIPE_DP_ORACLE[column]
             for stage in cell.stages:
+                oracle, at = _oracle_run(oracles[column], stage)
                 for rank in found_four:
-                    got, want = _losses(rank, column, stage, row), _losses(rank, oracle, stage, row)
+                    got, want = _losses(rank, column, stage, row), _losses(rank, oracle, at, row)
                     assert all(math.isfinite(v) for v in got), (row, column, stage, got)
                     assert _dist(got, want) <= cell.tolerance, (row, column, stage, got, want)
-                    if oracle == "none":
+                    if column == "loco":
                         assert got != want, (row, column, stage, got)
-                for col in (column, oracle):
-                    digests: dict[int, set[str]] = {}
-                    for rank in found_four:
-                        run = rank["trained"][json.dumps([col, stage, row])]
-                        digests.setdefault(run["stage_id"], set()).add(run["weights"])
-                    assert sorted(digests) == [0, 1], (row, col, stage, digests)
-                    assert all(len(d) == 1 for d in digests.values()), (row, col, stage, digests)
+                for col, st in ((column, stage), (oracle, at)):
+                    _replicas_agree(found_four, row, col, st)
 
 
 @pytest.mark.multirank

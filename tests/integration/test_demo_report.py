@@ -4,6 +4,7 @@ command before it installs anything.  Fast checks: no ranks are started."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -274,11 +275,16 @@ def test_the_test_command_prints_its_plan_first() -> None:
     assert "2 nox session(s)" in r.stderr and f"integration          {minutes:.1f} min" in r.stderr
     assert f"about {minutes:.0f} min" in r.stderr
     full = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "test_plan.py")], capture_output=True, text=True
+        [sys.executable, str(ROOT / "tools" / "test_plan.py")],
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "ZEROHOOKS_TEST_LANES"},
     )
     assert "tests(zerohooks)" in full.stderr and "typecheck" in full.stderr
+    # the default run: two lanes, each named with its sessions, the longest lane expected
+    assert "in 2 lanes side by side" in full.stderr and "lane 2: " in full.stderr, full.stderr
     text = (ROOT / "run.sh").read_text()
-    assert text.index("tools/test_plan.py") < text.index('exec "${nox_cmd[@]}" "$@"')
+    assert text.index("tools/test_plan.py") < text.index('exec "$PYTHON" tools/test_lanes.py "$@"')
 
 
 def test_the_report_names_the_baselines_not_trained(demo: dict[str, ModuleType]) -> None:
