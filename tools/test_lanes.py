@@ -1,21 +1,26 @@
-"""``bash run.sh test``'s sessions in lanes that run side by side (issue 35).
+"""``bash run.sh test``'s sessions in lanes that run side by side, on machines with the cores for it.
 
     python tools/test_lanes.py [nox options] [-- pytest options]    # what run.sh test runs
-    ZEROHOOKS_TEST_LANES=1 bash run.sh test                         # one after another, as before
+    ZEROHOOKS_TEST_LANES=2 bash run.sh test                         # two lanes, whatever the machine
 
 Each nox session of the test command builds its own venv and runs its own pytest; none shares a
 folder, a port or a namespace name with another (junit files, JIT folders and bytecode caches are
-per session, the kernels' shared cache writes by atomic rename, rendezvous ports come from the OS,
-emulated nodes are named by the creating pid). On the project's 2-core machine one session keeps
-1.1-1.3 cores busy on average (ranks wait on each other, fault tests wait on limits, builds and
-pytest start-up wait on the disk), so two lanes use the idle rest.
+per session, the kernels' shared cache builds each kernel once under a lock and stores it by
+atomic rename, rendezvous ports come from the OS, emulated nodes are named by the creating pid),
+so sessions can run side by side.
+
+One session keeps 1.1-1.5 CPUs busy on average (ranks wait on each other, fault tests wait on
+limits), so the default is one lane per 2 CPUs, at most 3: **one lane on the project's 2-CPU
+machine**, where two lanes were measured (benchmarks/CI_TIME.md): the machine was busy 1.9 of 2
+CPUs, but every session's work ran 1.4-2x slower beside the other lane's, and the run took about
+as long as one after another.
 
 The sessions of the default run (``nox.options.sessions`` of noxfile.py, one ``tests(<pkg>)`` per
-package) are dealt to ``ZEROHOOKS_TEST_LANES`` lanes (default 2) longest first, each to the lane
-with the least expected time so far (the minutes each took, from benchmarks/CI_TIME.md; one
-minute for a session not measured). Each lane is one ``nox -s <its sessions>`` with the options
-given; its output lines come prefixed ``[lane N] `` (tools/ci_report.py reads them so). Naming
-sessions (``-s``, ``-t``, ``-k``), listing them or asking nox for help runs plain nox instead.
+package) are dealt to the lanes longest first, each to the lane with the least expected time so
+far (the minutes each took, from benchmarks/CI_TIME.md; one minute for a session not measured).
+Each lane is one ``nox -s <its sessions>`` with the options given; its output lines come prefixed
+``[lane N] `` (tools/ci_report.py reads them so). One lane, or naming sessions (``-s``, ``-t``,
+``-k``), listing them or asking nox for help, runs plain nox instead.
 
 Exit status: 0 when every lane's nox passed, else the first failing lane's status. SIGTERM or
 SIGINT (CI's time limit) stops every lane's process group and exits 124 on SIGTERM, 130 on SIGINT.
@@ -36,7 +41,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import test_plan  # a sibling script, not a package
 
 ENV = "ZEROHOOKS_TEST_LANES"
-"""How many lanes (default 2; 1 runs the sessions one after another in one nox)."""
+"""How many lanes (default: :func:`default_lanes`; 1 runs the sessions one after another in one nox)."""
+
+MAX_DEFAULT_LANES = 3
+"""The most lanes the default gives, however many CPUs (more is not measured)."""
+
+
+def default_lanes(cpus: int | None = None) -> int:
+    """One lane per 2 CPUs (a session keeps 1.1-1.5 busy), at least 1, at most :data:`MAX_DEFAULT_LANES`."""
+    n = cpus if cpus is not None else len(os.sched_getaffinity(0))
+    return max(1, min(MAX_DEFAULT_LANES, n // 2))
+
 
 UNMEASURED_SECONDS = 60.0
 """What a session not in benchmarks/CI_TIME.md is expected to take, for dealing it to a lane."""
@@ -48,7 +63,9 @@ _PLAIN += ("--json", "-h", "--help", "--usage", "--version")
 def lanes_wanted(environ: dict[str, str] | None = None) -> int:
     """``ZEROHOOKS_TEST_LANES`` as a count of lanes; a value that is not a whole number >= 1 is an
     error naming the variable and what it accepts."""
-    raw = (environ if environ is not None else os.environ).get(ENV, "").strip() or "2"
+    raw = (environ if environ is not None else os.environ).get(ENV, "").strip()
+    if not raw:
+        return default_lanes()
     try:
         n = int(raw)
     except ValueError:

@@ -8,7 +8,7 @@ shared between cells) and tries every refused configuration; the tests then judg
   DeepSpeed with the same clipping (AdamW with ``eps`` 1.0, so the update follows the gradient's
   size and clipping shows in the losses; the tolerance is the plugin's own distance to plain
   DeepSpeed without clipping), the math-neutral features (``prescale_gradients``,
-  ``gradient_predivide_factor``, ``offload_param``, ``sequence_parallel_size``) against the same
+  ``gradient_predivide_factor``, ``offload_param`` to CPU or NVMe, ``sequence_parallel_size``) against the same
   plugin without them (identical losses), nvmeswap against DeepSpeed's CPU optimizer offload with
   the same feature (identical losses); ``engine.compile`` (backend ``aot_eager``) against the
   same plugin uncompiled (nvmeswap: plain DeepSpeed compiled), and its graph breaks (dynamo's
@@ -32,6 +32,7 @@ not claim too).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -72,11 +73,19 @@ LIMIT_REFUSED = (
 )
 """The refusals a ``limit`` cell states (row, column, stage): checked as the refused cells are."""
 CLIP = 0.05
+WIDE = 1024
+"""The toy model's width for parameter offload to NVMe: DeepSpeed swaps a parameter's partition
+only from 1 MiB up (``MIN_AIO_BYTES``), so fc1 (1024 x 1024 in bf16, 1 MiB a rank on 2 ranks) is
+swapped; the toy's usual sizes would all stay in memory."""
+NVME_PARAMS = {"buffer_count": 4, "buffer_size": 2_000_000, "max_in_cpu": 0, "pin_memory": False}
+"""DeepSpeed's parameter swap buffers for the toy model (its default, 5 of 1e8 elements, would
+allocate 1 GB a rank); ``max_in_cpu`` 0: every parameter goes through the files."""
 FEATURES: dict[str, dict[str, Any]] = {
     "clip": {"gradient_clipping": CLIP},
     "prescale": {"prescale_gradients": True},
     "predivide": {"gradient_predivide_factor": 2.0},
     "offload_param": {"offload_param": {"device": "cpu"}},
+    "offload_nvme": {"offload_param": {"device": "nvme"}},
     "sp": {"sequence_parallel_size": 2},
     "moe": {},
     "moe_dp": {},
@@ -85,6 +94,8 @@ FEATURES: dict[str, dict[str, Any]] = {
     "pipe_dp": {"train_batch_size": 16},
     "universal": {"checkpoint": {"load_universal": True}},
     "compile": {},
+    "deepcompile": {"compile": {"deepcompile": True}},
+    "wide": {},
 }
 """Each row's DeepSpeed settings (``offload_param`` goes inside ``zero_optimization``; ``moe`` is
 the model: :func:`_model`; ``compile`` calls ``engine.compile`` after ``initialize``: :func:`_run_all`)."""
@@ -105,8 +116,14 @@ def _config(column: str, stage: int, feature: str | None, folder: str) -> dict[s
 
     extra = dict(FEATURES[feature]) if feature in FEATURES else {}
     zero: dict[str, Any] = {"stage": stage}
+    if feature == "wide":
+        zero["stage3_param_persistence_threshold"] = 0
     if "offload_param" in extra:
         zero["offload_param"] = extra.pop("offload_param")
+        if zero["offload_param"]["device"] == "nvme":  # the rank's own folder; buffers for the toy's sizes
+            zero["offload_param"] = {**zero["offload_param"], **NVME_PARAMS, "nvme_path": f"{folder}/params"}
+            # no parameter kept whole in memory for being small (DeepSpeed's persistence threshold)
+            zero["stage3_param_persistence_threshold"] = 0
     if feature in NO_REDUCE_SCATTER:
         zero["reduce_scatter"] = False
     if column in ("nvmeswap", "nvme-oracle"):
@@ -138,6 +155,8 @@ def _model(feature: str | None) -> Any:
         return _checkpointed_model()
     if feature in ("pipe", "pipe_dp"):
         return _pipeline_model()
+    if feature in ("offload_nvme", "wide"):
+        return make_model(width=WIDE, mult=1)
     if feature not in ("moe", "moe_dp"):
         return make_model(mult=4)
     torch.manual_seed(0)
@@ -207,6 +226,20 @@ def _expert(model: Any) -> list[float]:
     return [float(v) for v in expert.weight.detach().float().flatten()]
 
 
+@functools.cache
+def _nvme_params_missing() -> str | None:
+    """Why DeepSpeed's parameter offload to NVMe cannot run here (None when it can): it needs
+    DeepSpeed's async_io op, built against libaio."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        if not AsyncIOBuilder().is_compatible(verbose=False):
+            return "DeepSpeed's async_io op cannot be built here (install libaio-dev)"
+    except Exception as e:  # DeepSpeed internals moved
+        return f"cannot locate DeepSpeed's async_io op: {e}"
+    return None
+
+
 def _plan() -> tuple[list[tuple[str, int, str | None]], list[tuple[str, str, int]]]:
     """Every training run the works/limit cells need (column, stage, feature), each once, and
     every refused cell (row, column, stage)."""
@@ -220,10 +253,12 @@ def _plan() -> tuple[list[tuple[str, int, str | None]], list[tuple[str, str, int
     for (row, column), cell in compat_matrix.MATRIX.items():
         if row in compat_matrix.FOUR_RANK_ROWS:
             continue
+        if row == "offload_nvme" and cell.kind != "refused" and _nvme_params_missing():
+            continue  # test_parameter_offload_to_nvme_goes_through_files says why
         if cell.kind == "refused":
             # nvmeswap and parameter offload need ZeRO 3; pipelines are refused by the plugin on ZeRO 1
             # (on ZeRO 2/3 zerohooks refuses them first, for DeepSpeed)
-            stage = 3 if column == "nvmeswap" or row == "offload_param" else 1 if row == "pipe" else 2
+            stage = 3 if column == "nvmeswap" or row.startswith("offload") else 1 if row == "pipe" else 2
             refused.append((row, column, stage))
             continue
         for stage in cell.stages:
@@ -270,6 +305,8 @@ def _nvme_oracle(row: str) -> str:
 
 def _without(row: str) -> str | None:
     """The feature of the run a math-neutral row is compared with (the same plugin without it)."""
+    if row == "offload_nvme":
+        return "wide"  # the same wide model, its parameters in memory
     return "unscaled" if row in NO_REDUCE_SCATTER else None
 
 
@@ -319,6 +356,10 @@ def _run_all(tmp: str, runs: list[tuple[str, int, str | None]], refused: list[tu
             torch._dynamo.reset()
         if feature in ("moe", "moe_dp"):
             found["expert"] = _expert(model)
+        if feature == "offload_nvme":  # the parameters' swap files DeepSpeed wrote
+            found["swap_files"] = sum(
+                f.stat().st_size for f in Path(folder, "params").rglob("*") if f.is_file()
+            )
         if feature == "moe_dp":  # every parameter but the local expert's: the same on all ranks
             found["shared"] = _weights_digest(engine.module, skip="deepspeed_experts")
         trained[json.dumps([column, stage, feature])] = found
@@ -386,6 +427,13 @@ def _launch(
 @pytest.fixture(scope="module")
 def found(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     runs, refused = _plan()
+    if any(feature == "offload_nvme" for *_, feature in runs):
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        import zerohooks
+
+        with zerohooks.route_deepspeed_op_builds():  # built (or found built) once, not in each rank
+            AsyncIOBuilder().load(verbose=False)
     return _launch(tmp_path_factory, 2, runs, [*refused, *LIMIT_REFUSED], timeout=1200)
 
 
@@ -458,6 +506,8 @@ def test_trained_cells_match_their_oracle(found: list[dict[str, Any]]) -> None:
     for (row, column), cell in compat_matrix.MATRIX.items():
         if cell.kind == "refused" or row in compat_matrix.FOUR_RANK_ROWS or row == "universal":
             continue
+        if row == "offload_nvme" and _nvme_params_missing():
+            continue  # test_parameter_offload_to_nvme_goes_through_files says why
         for stage in cell.stages:
             for rank in found:
                 got = _losses(rank, column, stage, row)
@@ -492,6 +542,22 @@ def test_trained_cells_match_their_oracle(found: list[dict[str, Any]]) -> None:
                 # DeepSpeed; reduced across the world they would stay equal
                 ds, got = _spread(found, "none", stage), _spread(found, column, stage)
                 assert ds > 0 and 0.5 * ds <= got <= 2 * ds, (column, stage, got, ds)
+
+
+@pytest.mark.multirank
+def test_parameter_offload_to_nvme_goes_through_files(found: list[dict[str, Any]]) -> None:
+    """The NVMe row's runs did swap: DeepSpeed wrote the parameters to files in each rank's folder
+    (its oracle, the same plugin without offload, says nothing of that)."""
+    reason = _nvme_params_missing()
+    if reason is not None:
+        pytest.skip(reason)
+    for (row, column), cell in compat_matrix.MATRIX.items():
+        if row != "offload_nvme" or cell.kind == "refused":
+            continue
+        for stage in cell.stages:
+            for rank in found:
+                run = rank["trained"][json.dumps([column, stage, row])]
+                assert run["swap_files"] > 0, (column, stage, run)
 
 
 @pytest.mark.multirank

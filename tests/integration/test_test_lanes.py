@@ -52,13 +52,15 @@ _FAKE_NOX = textwrap.dedent(
 
 
 def _fake_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """A stand-in ``nox`` first on PATH, two lanes unless ``extra`` says otherwise."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     nox = bin_dir / "nox"
     nox.write_text(_FAKE_NOX.format(python=sys.executable))
     nox.chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    env.update(FAKE_NOX_RECORD=str(tmp_path / "calls.txt"), **extra)
+    env.update(FAKE_NOX_RECORD=str(tmp_path / "calls.txt"), ZEROHOOKS_TEST_LANES="2")
+    env.update(extra)
     return env
 
 
@@ -111,7 +113,12 @@ def test_named_sessions_and_questions_go_to_plain_nox(argv: list[str], plain: bo
 def test_a_bad_lane_count_is_named_with_what_is_accepted(raw: str) -> None:
     with pytest.raises(SystemExit, match=r"ZEROHOOKS_TEST_LANES='.*' is not a number of lanes.*>= 1"):
         test_lanes.lanes_wanted({"ZEROHOOKS_TEST_LANES": raw})
-    assert test_lanes.lanes_wanted({}) == 2 and test_lanes.lanes_wanted({"ZEROHOOKS_TEST_LANES": "3"}) == 3
+    assert test_lanes.lanes_wanted({"ZEROHOOKS_TEST_LANES": "3"}) == 3
+    assert test_lanes.lanes_wanted({}) == test_lanes.default_lanes()
+
+
+def test_the_default_is_one_lane_per_two_cpus() -> None:
+    assert [test_lanes.default_lanes(n) for n in (1, 2, 3, 4, 5, 6, 16)] == [1, 1, 1, 2, 2, 3, 3]
 
 
 def test_lanes_run_side_by_side_and_the_report_reads_them(tmp_path: Path) -> None:

@@ -91,7 +91,12 @@ def test_bit_identical_to_deepspeed_nvme_offload(tmp_path, native_engine: bool, 
         pytest.skip(reason)
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
-    AsyncIOBuilder().load(verbose=False)  # build once here, not in both ranks
+    import zerohooks
+
+    # built once here, not in both ranks; through the shared cache, so a session beside this one
+    # that builds it too waits for one build instead of compiling it again
+    with zerohooks.route_deepspeed_op_builds():
+        AsyncIOBuilder().load(verbose=False)
     for r in run_distributed(_run, 2, args=(str(tmp_path),), timeout=1200):
         assert r["swapped"] >= 2  # DeepSpeed did swap: the oracle is its NVMe path
         ds_losses, ns_losses = r["losses"]

@@ -40,3 +40,24 @@ def test_universal_load_refused_naming_plugin_and_fix() -> None:
     for part in ('"load_universal": true', "myplugin", "its buffers are per rank", "regular checkpoint"):
         assert part in message
     refuse_universal_load(read_settings({}), "myplugin", "unused")  # not loading universal: nothing
+
+
+@pytest.mark.parametrize(
+    "section",
+    [None, {}, {"deepcompile": False}, {"offload_activation": True}, "not a section"],
+)
+def test_deepcompile_off_is_not_refused(section: object) -> None:
+    from zerohooks.adapter.dsrules import check_deepcompile
+
+    config = {} if section is None else {"compile": section}
+    check_deepcompile(config, ("loco",))  # nothing raised
+
+
+def test_deepcompile_refused_naming_the_plugins_and_the_fix() -> None:
+    from zerohooks.adapter.dsrules import check_deepcompile
+
+    with pytest.raises(ConfigError) as info:
+        check_deepcompile({"compile": {"deepcompile": True}}, ("loco", "accumdtype"))
+    message = str(info.value)
+    for part in ('"deepcompile": true', "loco, accumdtype", '"deepcompile": false', "engine.compile()"):
+        assert part in message, (part, message)

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,45 @@ def test_deepspeed_style_loads_share_their_build(tmp_path: Path) -> None:
     assert seen[0]["answer"] == seen[1]["answer"] == 42
     assert seen[0]["built"] == ["zh_ds_demo.so"] and seen[1]["built"] == []  # the second built nothing
     assert seen[1]["file"].startswith(str(cache))
+
+
+@pytest.mark.skipif(
+    not any(os.access(os.path.join(d, "c++"), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep)),
+    reason="no C++ compiler",
+)
+def test_two_environments_wanting_one_build_at_once_build_it_once(tmp_path: Path) -> None:
+    """Two processes with their own build folders ask for the same library at the same time (two
+    test sessions side by side): the second waits for the first's build and loads it. The
+    compiler is made slow (a wrapper that sleeps 4 s before compiling), so without the lock the
+    second would be compiling too."""
+    src = tmp_path / "csrc" / "demo.cpp"
+    src.parent.mkdir()
+    src.write_text('extern "C" int zh_answer() { return 42; }\n')
+    slow = tmp_path / "slow-c++"
+    slow.write_text('#!/bin/sh\ncase "$*" in *--version*) ;; *) sleep 4 ;; esac\nexec c++ "$@"\n')
+    slow.chmod(0o755)
+    cache = tmp_path / "shared"
+    env = {**os.environ, nativecache.ENV: str(cache), "CXX": str(slow)}
+    procs = []
+    for name in ("a", "b"):
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", _CHILD, str(src), "-DZH=1"],
+                env={**env, "TORCH_EXTENSIONS_DIR": str(tmp_path / f"ext-{name}")},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+        time.sleep(1.5)  # a is compiling (in its sleep) when b asks
+    found = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, out + err
+        line = next(ln for ln in out.splitlines() if ln.startswith("CHILD "))
+        found.append((json.loads(line.removeprefix("CHILD ")), err))
+    (a, _), (b, b_err) = found
+    assert a["built"] == ["zh_cache_demo.so"] and a["answer"] == 42
+    assert b["built"] == [] and b["answer"] == 42, b  # waited, then loaded a's build
+    assert "another process is building zh_cache_demo" in b_err
+    assert len(list(cache.glob("zh_cache_demo-*/zh_cache_demo*"))) == 1

@@ -178,7 +178,6 @@ class NativeExtension:
         ``ZEROHOOKS_NATIVE_CACHE`` is set) or build it; a new build is then shared."""
         from zerohooks import nativecache
 
-        digest = None
         if nativecache.cache_dir() is not None:
             digest = nativecache.key(
                 self.name,
@@ -187,17 +186,38 @@ class NativeExtension:
                 include_paths=self.include_paths,
                 python_module=self.python_module,
             )
-            hit = nativecache.lookup(self.name, digest)
+            hit = self._shared(digest)
             if hit is not None:
-                try:
-                    return nativecache.load_library(self.name, hit, self.python_module)
-                except Exception as e:  # damaged or foreign: build as if it were not there
-                    warnings.warn(
-                        f"{self.owner}: the shared build {hit} did not load ({type(e).__name__}: {e}); "
-                        "building it again",
-                        RuntimeWarning,
-                        stacklevel=5,
-                    )
+                return hit
+            with nativecache.one_builder(self.name, digest):
+                hit = self._shared(digest)  # built by the process we waited for
+                if hit is not None:
+                    return hit
+                return self._build_and_share(digest)
+        return self._build_and_share(None)
+
+    def _shared(self, digest: str) -> Any:
+        """The shared build ``digest`` names, loaded; None when there is none (or it did not load:
+        then it is built as if it were not there)."""
+        from zerohooks import nativecache
+
+        hit = nativecache.lookup(self.name, digest)
+        if hit is None:
+            return None
+        try:
+            return nativecache.load_library(self.name, hit, self.python_module)
+        except Exception as e:  # damaged or foreign
+            warnings.warn(
+                f"{self.owner}: the shared build {hit} did not load ({type(e).__name__}: {e}); "
+                "building it again",
+                RuntimeWarning,
+                stacklevel=6,
+            )
+            return None
+
+    def _build_and_share(self, digest: str | None) -> Any:
+        from zerohooks import nativecache
+
         built = self._jit_build()
         if digest is not None:
             path = built if isinstance(built, str) else getattr(built, "__file__", None)

@@ -19,6 +19,7 @@ library is never loaded; unset, nothing is looked up or stored (the default outs
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import os
@@ -28,11 +29,11 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ENV", "cache_dir", "caching_load", "key", "load_library", "lookup", "store"]
+__all__ = ["ENV", "cache_dir", "caching_load", "key", "load_library", "lookup", "one_builder", "store"]
 
 ENV = "ZEROHOOKS_NATIVE_CACHE"
 """The environment variable naming the shared folder (unset or empty: no sharing)."""
@@ -141,6 +142,40 @@ def store(name: str, digest: str, built: Path) -> Path | None:
     return None
 
 
+@contextlib.contextmanager
+def one_builder(name: str, digest: str) -> Iterator[None]:
+    """Held while this process builds the library ``digest`` names, so that another process
+    wanting the same build (a second environment, a test session beside this one) waits for it
+    and then finds it stored, instead of compiling the same bytes at the same time.  An ``flock``
+    on ``.<name>-<digest>.lock`` in the shared folder: the kernel releases it when its holder
+    exits or is killed, so a dead builder never leaves a lock behind.  Does nothing when sharing
+    is off or the lock cannot be taken (the build goes on unshared)."""
+    folder = cache_dir()
+    fd = None
+    if folder is not None:
+        with contextlib.suppress(OSError):
+            folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(folder / f".{name}-{digest}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+    if fd is None:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(
+                f"zerohooks: another process is building {name} into {folder}; waiting for it",
+                file=sys.stderr,
+                flush=True,
+            )
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass  # a filesystem without locks: build unshared
+        yield
+    finally:
+        os.close(fd)
+
+
 def load_library(name: str, path: Path, python_module: bool) -> Any:
     """Load a stored library as ``cpp_extension.load`` would have: the module for a pybind11
     module, else the path after ``torch.ops.load_library``."""
@@ -194,10 +229,15 @@ def caching_load(real_load: Callable[..., Any]) -> Callable[..., Any]:
         if hit is not None:
             with contextlib.suppress(Exception):  # damaged or foreign: build it instead
                 return load_library(str(name), hit, python_module)
-        module = real_load(*args, **kwargs)
-        built = getattr(module, "__file__", None)
-        if built:
-            store(str(name), digest, Path(built))
-        return module
+        with one_builder(str(name), digest):
+            hit = lookup(str(name), digest)  # built by the process we waited for
+            if hit is not None:
+                with contextlib.suppress(Exception):
+                    return load_library(str(name), hit, python_module)
+            module = real_load(*args, **kwargs)
+            built = getattr(module, "__file__", None)
+            if built:
+                store(str(name), digest, Path(built))
+            return module
 
     return load

@@ -13,6 +13,7 @@ from typing import Any
 from zerohooks.errors import ConfigError
 
 __all__ = [
+    "check_deepcompile",
     "check_moe_stage",
     "check_pipeline_stage",
     "check_zero_optimizer",
@@ -119,6 +120,27 @@ def check_moe_stage(model: Any, stage: int, plugins: tuple[str, ...]) -> None:
         f"with the plugins {', '.join(plugins)}: DeepSpeed refuses native MoE on ZeRO 3 once the engine "
         "is built; use ZeRO stage 1 or 2 (nvmeswap, which needs ZeRO 3, then cannot be used: "
         'offload the optimizer with "offload_optimizer": {"device": "cpu"} instead)'
+    )
+
+
+def check_deepcompile(ds_config: dict[str, Any], plugins: tuple[str, ...]) -> None:
+    """Refuse DeepCompile (``"compile": {"deepcompile": true}``) beside any plugin.
+
+    DeepCompile moves ZeRO's gradient reduction, parameter gathering and partitioning into
+    passes over the compiled graph (``deepspeed.compile``; in DeepSpeed 0.19.8 on CUDA only),
+    where none of the DeepSpeed methods the plugins hook runs: a plugin would be bypassed without
+    a word (loco's exchange, accumdtype's accumulation, mixedlayers' fp32 reduction) or meet
+    buffers it does not know.  Untested, so refused; ``engine.compile()`` without DeepCompile is
+    tested with every plugin."""
+    section = ds_config.get("compile")
+    if not isinstance(section, dict) or not section.get("deepcompile"):
+        return
+    raise ConfigError(
+        f'"compile": {{"deepcompile": true}} with the plugins {", ".join(plugins)}: DeepCompile moves ZeRO\'s '
+        "gradient reduction and parameter partitioning into compiled graph passes, where the DeepSpeed "
+        "methods these plugins hook never run, so they would be bypassed silently; zerohooks does not run "
+        'them together. Set "deepcompile": false and call engine.compile() (tested with every plugin), or '
+        "remove the plugins' sections to use DeepCompile"
     )
 
 

@@ -17,7 +17,12 @@ from zerohooks.adapter.compat import (
     require_supported_deepspeed,
     route_deepspeed_op_builds,
 )
-from zerohooks.adapter.dsrules import check_moe_stage, check_pipeline_stage, check_zero_optimizer
+from zerohooks.adapter.dsrules import (
+    check_deepcompile,
+    check_moe_stage,
+    check_pipeline_stage,
+    check_zero_optimizer,
+)
 from zerohooks.config import load_config, split_plugin_sections
 from zerohooks.dsconfig import engine_context, setup_context
 from zerohooks.errors import ConfigError
@@ -84,6 +89,7 @@ def _prepare(
         check_zero_optimizer(ds_config, params.get("optimizer"), ctx.zero_stage)
         check_moe_stage(params.get("model"), ctx.zero_stage, tuple(names))
         check_pipeline_stage(params.get("model"), ctx.zero_stage, tuple(names))
+        check_deepcompile(ds_config, tuple(names))
     registry = HookRegistry()
     if ctx is not None:
         for p in enabled:
