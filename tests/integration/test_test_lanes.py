@@ -148,7 +148,14 @@ def test_lanes_run_side_by_side_and_the_report_reads_them(tmp_path: Path) -> Non
     got = {s["name"]: s for s in data["sessions"]}
     assert sorted(got) == sorted(sessions)
     assert all(s["outcome"] == "success" and 0.4 < s["seconds"] < 5 for s in got.values()), got
-    lane_of = {s: i for i, c in enumerate(calls, start=1) for s in c.split(" -- ")[0].split()[2:]}
+    # each lane's sessions as test_lanes announced them (the stand-ins record in whatever order
+    # their processes start, not in lane order)
+    said = [ln.split(": ", 2) for ln in lines if ln.startswith("test_lanes: lane ")]
+    lane_of = {
+        s: int(head.split()[-1])
+        for _, head, cmd in said
+        for s in cmd.split(" -- ")[0].split(" -s ")[1].split()
+    }
     assert {n: s["lane"] for n, s in got.items()} == lane_of
     assert "ran side by side in 2 lanes" in report.stdout and "| lane |" in report.stdout
     # the whole run, not the sum of the sessions
