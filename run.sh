@@ -106,7 +106,8 @@ examples)
 test)
     shift
     "$PYTHON" tools/test_plan.py "$@" || true # the sessions and the minutes they took here, before they start
-    # the default sessions in ZEROHOOKS_TEST_LANES (2) lanes side by side; named sessions: plain nox
+    # the default sessions in lanes side by side (ZEROHOOKS_TEST_LANES; default one per 2 CPUs, so one
+    # lane, plain nox, on a 2-CPU machine); named sessions: plain nox
     exec "$PYTHON" tools/test_lanes.py "$@"
     ;;
 gpu-bundle)

@@ -76,6 +76,14 @@ def _said(took: float | None) -> str:
     return "not measured" if took is None else f"{took:.0f} s" if took < 60 else f"{took / 60:.1f} min"
 
 
+def _expected(minutes: str, unknown: list[str]) -> str:
+    return (
+        f"expected: about {minutes} on the project's idle 2-core machine"
+        + (f" plus {', '.join(unknown)}" if unknown else "")
+        + " (benchmarks/CI_TIME.md; more under load, less with more cores)"
+    )
+
+
 def plan(argv: list[str], lanes: int = 1) -> str:
     """The sessions and their measured minutes; with ``lanes`` > 1 and no sessions chosen, the
     lanes tools/test_lanes.py deals them to (``lanes`` is its ZEROHOOKS_TEST_LANES)."""
@@ -92,21 +100,13 @@ def plan(argv: list[str], lanes: int = 1) -> str:
         for i, lane in enumerate(dealt, start=1):
             sums.append(sum(seconds.get(s, 0.0) for s in lane) / 60)
             lines.append(f"  lane {i}: " + ", ".join(f"{s} ({_said(seconds.get(s))})" for s in lane))
-        lines.append(
-            f"expected: about {max(sums):.0f} min (the longest lane) on the project's idle 2-core machine"
-            + (f" plus {', '.join(unknown)}" if unknown else "")
-            + " (benchmarks/CI_TIME.md; more under load, less with more cores)"
-        )
+        lines.append(_expected(f"{max(sums):.0f} min (the longest lane)", unknown))
         return "\n".join(lines)
     lines = [f"run.sh test: {len(sessions)} nox session(s), one after another:"]
     for s in sessions:
         lines.append(f"  {s:<20} {_said(seconds.get(s))}")
     total = sum(seconds[s] for s in sessions if s in seconds) / 60
-    lines.append(
-        f"expected: about {total:.0f} min on the project's idle 2-core machine"
-        + (f" plus {', '.join(unknown)}" if unknown else "")
-        + " (benchmarks/CI_TIME.md; more under load, less with more cores)"
-    )
+    lines.append(_expected(f"{total:.0f} min", unknown))
     return "\n".join(lines)
 
 

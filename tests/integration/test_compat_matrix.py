@@ -116,14 +116,14 @@ def _config(column: str, stage: int, feature: str | None, folder: str) -> dict[s
 
     extra = dict(FEATURES[feature]) if feature in FEATURES else {}
     zero: dict[str, Any] = {"stage": stage}
-    if feature == "wide":
+    if feature in ("wide", "offload_nvme"):
+        # no parameter kept whole in memory for being small (DeepSpeed's persistence threshold):
+        # the wide model and its oracle partition alike
         zero["stage3_param_persistence_threshold"] = 0
     if "offload_param" in extra:
         zero["offload_param"] = extra.pop("offload_param")
         if zero["offload_param"]["device"] == "nvme":  # the rank's own folder; buffers for the toy's sizes
             zero["offload_param"] = {**zero["offload_param"], **NVME_PARAMS, "nvme_path": f"{folder}/params"}
-            # no parameter kept whole in memory for being small (DeepSpeed's persistence threshold)
-            zero["stage3_param_persistence_threshold"] = 0
     if feature in NO_REDUCE_SCATTER:
         zero["reduce_scatter"] = False
     if column in ("nvmeswap", "nvme-oracle"):

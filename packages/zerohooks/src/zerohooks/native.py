@@ -186,14 +186,9 @@ class NativeExtension:
                 include_paths=self.include_paths,
                 python_module=self.python_module,
             )
-            hit = self._shared(digest)
-            if hit is not None:
-                return hit
-            with nativecache.one_builder(self.name, digest):
-                hit = self._shared(digest)  # built by the process we waited for
-                if hit is not None:
-                    return hit
-                return self._build_and_share(digest)
+            return nativecache.build_once(
+                self.name, digest, lambda: self._shared(digest), lambda: self._build_and_share(digest)
+            )
         return self._build_and_share(None)
 
     def _shared(self, digest: str) -> Any:
@@ -211,7 +206,7 @@ class NativeExtension:
                 f"{self.owner}: the shared build {hit} did not load ({type(e).__name__}: {e}); "
                 "building it again",
                 RuntimeWarning,
-                stacklevel=6,
+                stacklevel=7,
             )
             return None
 

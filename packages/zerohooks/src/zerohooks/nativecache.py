@@ -33,7 +33,17 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ENV", "cache_dir", "caching_load", "key", "load_library", "lookup", "one_builder", "store"]
+__all__ = [
+    "ENV",
+    "build_once",
+    "cache_dir",
+    "caching_load",
+    "key",
+    "load_library",
+    "lookup",
+    "one_builder",
+    "store",
+]
 
 ENV = "ZEROHOOKS_NATIVE_CACHE"
 """The environment variable naming the shared folder (unset or empty: no sharing)."""
@@ -176,6 +186,18 @@ def one_builder(name: str, digest: str) -> Iterator[None]:
         os.close(fd)
 
 
+def build_once(name: str, digest: str, shared: Callable[[], Any], build: Callable[[], Any]) -> Any:
+    """``shared()`` (the stored build, loaded; None when there is none or it does not load), else
+    ``build()`` (which stores what it builds) under :func:`one_builder`, asking ``shared()`` once
+    more first: the process waited for may have built it meanwhile."""
+    found = shared()
+    if found is not None:
+        return found
+    with one_builder(name, digest):
+        found = shared()
+        return found if found is not None else build()
+
+
 def load_library(name: str, path: Path, python_module: bool) -> Any:
     """Load a stored library as ``cpp_extension.load`` would have: the module for a pybind11
     module, else the path after ``torch.ops.load_library``."""
@@ -225,19 +247,21 @@ def caching_load(real_load: Callable[..., Any]) -> Callable[..., Any]:
             include_paths=[Path(p) for p in kwargs.get("extra_include_paths") or ()],
             python_module=python_module,
         )
-        hit = lookup(str(name), digest)
-        if hit is not None:
-            with contextlib.suppress(Exception):  # damaged or foreign: build it instead
-                return load_library(str(name), hit, python_module)
-        with one_builder(str(name), digest):
-            hit = lookup(str(name), digest)  # built by the process we waited for
+
+        def shared() -> Any:
+            hit = lookup(str(name), digest)
             if hit is not None:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(Exception):  # damaged or foreign: build it instead
                     return load_library(str(name), hit, python_module)
+            return None
+
+        def build() -> Any:
             module = real_load(*args, **kwargs)
             built = getattr(module, "__file__", None)
             if built:
                 store(str(name), digest, Path(built))
             return module
+
+        return build_once(str(name), digest, shared, build)
 
     return load
