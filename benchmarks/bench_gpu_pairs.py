@@ -311,6 +311,8 @@ def summarize(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
                 if "profile" in p[0] and "profile" in b[0]:
                     row["profile_diff"] = profile_diff(p[0]["profile"], b[0]["profile"])
                     row["profile_total_ms"] = [p[0]["profile"]["total_ms"], b[0]["profile"]["total_ms"]]
+                    if b[0]["profile"]["total_ms"] > 0:
+                        row["profile_ratio"] = p[0]["profile"]["total_ms"] / b[0]["profile"]["total_ms"]
             rows.append(row)
     return {"pairs": rows}
 
@@ -322,11 +324,14 @@ def markdown(data: dict[str, Any]) -> str:
         f"{data['warmup']} warm-up per run; each run in its own process.",
         "",
         "Step times: the median of a run's timed steps (median over rounds), quartiles of every timed step "
-        "in brackets: the spread within a run.",
+        "in brackets: the spread within a run. Profiled ratio: the self time of every op in the one "
+        "profiled step, summed, plugin over equivalent (device time on a GPU, CPU time without one); "
+        "a kernel counts under its op and as itself, so compare the two sides, not the absolute sums. "
+        "It does not move with the host's launch noise that spreads the step times.",
         "",
         "| ZeRO | plugin | equivalent | plugin step (ms) | equivalent step (ms) | step ratio "
-        "| plugin peak (GiB) | equivalent peak (GiB) | rounds |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| profiled ratio | plugin peak (GiB) | equivalent peak (GiB) | rounds |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(row: dict[str, Any], key: str, scale: float = 1.0, fmt: str = "{:.1f}") -> str:
@@ -340,11 +345,12 @@ def markdown(data: dict[str, Any]) -> str:
         lines.append(
             f"| {row['stage']} | {row['plugin']} | {row['equivalent']} | {f(row, 'plugin_step_ms')} "
             f"| {f(row, 'equivalent_step_ms')} | {f(row, 'step_ratio', fmt='{:.3f}x')} "
+            f"| {f(row, 'profile_ratio', fmt='{:.3f}x')} "
             f"| {f(row, 'plugin_peak_bytes', 2**30, '{:.2f}')} | {f(row, 'equivalent_peak_bytes', 2**30, '{:.2f}')} "
             f"| {row['rounds'][0]}/{row['rounds'][1]} |"
         )
     for plugin, why in data.get("skipped_pairs", {}).items():
-        lines.append(f"| all | {plugin} | - | skipped: {why} | | | | | |")
+        lines.append(f"| all | {plugin} | - | skipped: {why} | | | | | | |")
     if any(r["plugin"] == "loco" for r in data["summary"]["pairs"]):
         data.setdefault("notes", [])
         if WORLD_SIZE_1["loco"] not in data["notes"]:
