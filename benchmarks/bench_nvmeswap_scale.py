@@ -2,7 +2,7 @@
 parameter, 24 GB) does not fit in this machine's RAM, trained with ZeRO 3 + bf16 on one rank.
 
     python benchmarks/bench_nvmeswap_scale.py [--small]
-        [--runs nvmeswap,nvmeswap_overlap,nvmeswap_unfused,deepspeed_nvme,deepspeed_cpu] [--steps 6]
+        [--runs nvmeswap,nvmeswap_step,nvmeswap_overlap,nvmeswap_unfused,deepspeed_nvme,deepspeed_cpu] [--steps 6]
         [--folder /work/scratch/nvmeswap_scale] [--mem-limit-gib 14] [--prefetch-gib 1.0] [--no-resume]
 
 Each run is its own process (one gloo rank), started inside a memory cgroup limited to
@@ -17,14 +17,16 @@ every process of the run together) and the process's ``VmHWM`` are reported.
   every run, lr 1e-4.
 * Runs: ``nvmeswap`` (defaults: fused Adam step, master + 2 moments on disk), ``nvmeswap_overlap``
   (the same with ``prefetch_bytes`` = ``--prefetch-gib``: state read ahead during backward, and its
-  last writes left to drain during the next forward), ``nvmeswap_unfused``
+  last writes left to drain during the next forward), ``nvmeswap_step`` (``step_in_backward``:
+  each sub-group read, stepped and written by a background thread during backward as soon as
+  its gradients are final, the step only taking those steps), ``nvmeswap_unfused``
   (``fused_adam: false``), ``deepspeed_nvme`` (DeepSpeed's ``offload_optimizer: nvme``, its libaio
   swapper; needs ``libaio-dev`` and builds its ``async_io`` op), ``deepspeed_cpu``
   (``offload_optimizer: cpu``: its need is computed and it is run under the limit to show how it
   fails).
 * Per step: forward+backward time, ``engine.step()`` time (for nvmeswap up to its last write
-  landing: no credit for overlapping it with the next forward pass; for ``nvmeswap_overlap`` up to
-  the step's return, its last writes draining in the next step), time blocked on the disk inside the
+  landing: no credit for overlapping it with the next forward pass; for ``nvmeswap_overlap`` and
+  ``nvmeswap_step`` up to the step's return, their last writes draining in the next step), time blocked on the disk inside the
   step (nvmeswap's I/O waits; not measured for DeepSpeed), the time the swap folder's block
   device was busy (``io_ticks`` of ``/sys/dev/block/<dev>/stat``, every process's I/O; none on
   tmpfs), ``/proc/self/io`` read/write bytes
@@ -57,7 +59,16 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(__file__).resolve().parent / "out"
-RUNS = ("nvmeswap", "nvmeswap_overlap", "nvmeswap_unfused", "deepspeed_nvme", "deepspeed_cpu")
+RUNS = (
+    "nvmeswap",
+    "nvmeswap_step",
+    "nvmeswap_overlap",
+    "nvmeswap_unfused",
+    "deepspeed_nvme",
+    "deepspeed_cpu",
+)
+OVERLAPS = ("nvmeswap_overlap", "nvmeswap_step")
+"""The runs whose optimizer I/O overlaps forward and backward (compared with ``nvmeswap``)."""
 GIB = 1 << 30
 
 
@@ -134,6 +145,8 @@ def _config(run: str, folder: str, a: argparse.Namespace) -> dict[str, Any]:
         cfg["nvmeswap"] = {"fused_adam": False} if run == "nvmeswap_unfused" else {}
     if run == "nvmeswap_overlap":
         cfg["nvmeswap"]["prefetch_bytes"] = int(a.prefetch_gib * GIB)
+    if run == "nvmeswap_step":
+        cfg["nvmeswap"]["step_in_backward"] = True
     return cfg
 
 
@@ -222,7 +235,7 @@ def child(a: argparse.Namespace) -> None:
         engine.load_checkpoint(os.path.join(a.folder, "ckpt"))
         out["load_s"] = time.perf_counter() - t0
         first, last = 3, 4
-    overlap = run == "nvmeswap_overlap"
+    overlap = run in OVERLAPS
     for s in range(first, last + 1):
         r0, w0 = _proc_io()
         wait0 = state.io_wait if state is not None else 0.0
@@ -254,7 +267,7 @@ def child(a: argparse.Namespace) -> None:
             "write_per_param": (w1 - w0) / numel,
         }
         out["steps"].append(rec)
-        if s == 4 and phase in ("load", "full") and run in ("nvmeswap", "nvmeswap_overlap"):
+        if s == 4 and phase in ("load", "full") and run in ("nvmeswap", *OVERLAPS):
             out["weights_sha_step4"] = _weights_checksum(engine)
         print(
             f"[{run}] step {s}: loss {rec['loss']:.4f}  {rec['step_s']:.1f}s (fwd/bwd {rec['fwd_bwd_s']:.1f}s, "
@@ -487,17 +500,17 @@ def _write(payload: dict[str, Any], a: argparse.Namespace, echo: bool = False) -
         )
     if byrun.get("nvmeswap", {}).get("opt_vs_bound"):
         derived["nvmeswap optimizer phase / disk bound"] = round(byrun["nvmeswap"]["opt_vs_bound"], 3)
-    if byrun.get("nvmeswap_overlap", {}).get("step_s"):
+    for ov in OVERLAPS:
+        if not byrun.get(ov, {}).get("step_s"):
+            continue
         for other in ("deepspeed_nvme", "nvmeswap"):
             if byrun.get(other, {}).get("step_s"):
-                derived[f"nvmeswap_overlap step / {other} step"] = round(
-                    byrun["nvmeswap_overlap"]["step_s"] / byrun[other]["step_s"], 3
-                )
+                derived[f"{ov} step / {other} step"] = round(byrun[ov]["step_s"] / byrun[other]["step_s"], 3)
         full = {r["run"]: r for r in payload["runs"]}
-        on, off = full["nvmeswap_overlap"], full.get("nvmeswap")
+        on, off = full[ov], full.get("nvmeswap")
         if off is not None and off.get("steps"):
             k = min(len(on.get("steps", [])), len(off["steps"]))
-            derived["nvmeswap_overlap losses and step-4 weights bit-identical to nvmeswap"] = bool(k) and (
+            derived[f"{ov} losses and step-4 weights bit-identical to nvmeswap"] = bool(k) and (
                 [x["loss"] for x in on["steps"][:k]] == [x["loss"] for x in off["steps"][:k]]
                 and on.get("weights_sha_step4") == off.get("weights_sha_step4")
             )
@@ -559,7 +572,7 @@ def main() -> None:
     os.makedirs(a.folder, exist_ok=True)
     need = {
         "nvmeswap": 12 * n, "nvmeswap_overlap": 12 * n, "nvmeswap_unfused": 12 * n, "deepspeed_nvme": 16 * n,
-        "deepspeed_cpu": 0,
+        "deepspeed_cpu": 0, "nvmeswap_step": 24 * n,
     }  # fmt: skip
     ckpt = 0 if a.no_resume or "nvmeswap" not in runs else 14 * n + 12 * n
     needed = int(max([need[r] for r in runs] + [ckpt]) * 1.05) + (4 << 30)

@@ -86,6 +86,16 @@ def test_nvme_offload_becomes_cpu_offload_owned_by_nvmeswap() -> None:
             'fused_adam: .*true, false or "when_supported"',
         ),
         (lambda c: c.update(nvmeswap={"fused_adam": None}), 'fused_adam: .*true, false or "when_supported"'),
+        # the two overlaps are alternatives; a speculative step needs the master on disk
+        (
+            lambda c: c.update(nvmeswap={"step_in_backward": True, "prefetch_bytes": 1 << 30}),
+            "step_in_backward and prefetch_bytes .* choose one",
+        ),
+        (
+            lambda c: c.update(nvmeswap={"step_in_backward": True, "keep_master_in_ram": True}),
+            "step_in_backward cannot be combined with keep_master_in_ram.*set keep_master_in_ram to false",
+        ),
+        (lambda c: c.update(nvmeswap={"step_in_backward": "yes"}), r"step_in_backward: .*true or false"),
     ],
 )
 def test_bad_config_is_a_clear_error(mutate: Any, message: str) -> None:

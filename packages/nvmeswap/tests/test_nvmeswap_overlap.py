@@ -1,12 +1,13 @@
-"""nvmeswap's read-ahead during backward (``prefetch_bytes``) on 2 gloo ranks, ZeRO 3, two
-micro-steps a step.
+"""nvmeswap's overlap of the optimizer with backward on 2 gloo ranks, ZeRO 3, two micro-steps a
+step: read-ahead (``prefetch_bytes``) and speculative steps during backward (``step_in_backward``).
 
 The oracles: the same run with ``prefetch_bytes: 0`` (today's nvmeswap, itself bit-identical to
 DeepSpeed's own CPU offload, test_nvmeswap_training.py) and DeepSpeed's CPU offload.  Every
 interruption (a checkpoint saved or loaded, a detach, while sub-groups are read ahead; an
 fp16 step the loss scaler skips; an exception raised in backward) runs the same sequence with
-the read-ahead on and off: losses and state must be equal bit for bit, and the read-ahead must
-have been under way at the interruption (else the test proves nothing).
+the read-ahead (or the steps during backward) on and off: losses and state must be equal bit for
+bit, and the read-ahead (or a speculative step) must have been under way at the interruption (else
+the test proves nothing).
 """
 
 from __future__ import annotations
@@ -83,6 +84,28 @@ def _prefetched(engine: Any) -> int:
     return len(st.prefetched) if st is not None else -1
 
 
+def _early(engine: Any) -> Any:
+    import zerohooks
+
+    att = zerohooks.attachment(engine)
+    return next(p for p in att.plugins if p.name == "nvmeswap").early if att is not None else None
+
+
+def _stepped_early(engine: Any) -> int:
+    """Sub-groups stepped so far in this window's backward (the thread's queue drained first)."""
+    from nvmeswap import early
+
+    es = _early(engine)
+    if es is None:
+        return len(_state(engine).prefetched) if _state(engine) is not None else -1
+    early.drain(es)
+    return 0 if es.decided else len(es.touched)
+
+
+MODES = {"prefetch": {"prefetch_bytes": ALL}, "step": {"step_in_backward": True}}
+"""The two overlaps, each tested against the run with neither."""
+
+
 def scenario_equal(tmp: str) -> dict[str, Any]:
     """Read-ahead of every sub-group, of one, and none: the same losses, weights, masters and
     moments as DeepSpeed's CPU offload, and the same bytes moved."""
@@ -107,14 +130,23 @@ def scenario_equal(tmp: str) -> dict[str, Any]:
     engines = {"off": off}
     engines["all"] = _build(_config(f"{tmp}/eq_all{rank}", {"prefetch_bytes": ALL}))
     engines["one"] = _build(_config(f"{tmp}/eq_one{rank}", {"prefetch_bytes": capacity}))
+    engines["step"] = _build(_config(f"{tmp}/eq_step{rank}", MODES["step"]))
+    out["step_file_bytes"] = [
+        _state(engines["step"]).file_bytes(g) for g in _state(engines["step"]).groups.values()
+    ]
+    out["off_file_bytes"] = [capacity_of(off, g) for g in _state(off).groups.values()]
     for name, eng in engines.items():
         st = _state(eng)
         seen: list[tuple[bool, int]] = []
-        out[f"{name}_losses"] = _run(eng, 4, probe=lambda e, b, seen=seen: seen.append((b, _prefetched(e))))
+        out[f"{name}_losses"] = _run(
+            eng, 4, probe=lambda e, b, seen=seen: seen.append((b, _stepped_early(e)))
+        )
         out[f"{name}_probes"] = seen
         out[f"{name}_slots"] = (st.prefetch_slots, len(st.slots), st.buffer_count)
         out[f"{name}_hits"] = st.prefetch_hits
         out[f"{name}_bytes"] = (st.bytes_read, st.bytes_written)
+        es = _early(eng)
+        out[f"{name}_early"] = (es.steps, es.undone) if es is not None else None
         out[f"{name}_equal"] = [
             _same(x, y) for x, y in zip(oracle, (params16(eng), masters(eng), moments(eng)), strict=True)
         ]
@@ -122,13 +154,18 @@ def scenario_equal(tmp: str) -> dict[str, Any]:
     return out
 
 
-def _sequence(tmp: str, name: str, on: bool) -> dict[str, Any]:
-    """One interruption, with the read-ahead ``on`` or off: what it returns must be the same."""
+def capacity_of(engine: Any, g: Any) -> int:
+    return int(_state(engine).file_bytes(g))
+
+
+def _sequence(tmp: str, name: str, mode: str | None) -> dict[str, Any]:
+    """One interruption, with an overlap ``mode`` of :data:`MODES` or none: what it returns must be
+    the same."""
     import zerohooks
 
     rank = int(os.environ["RANK"])
-    section = {"prefetch_bytes": ALL} if on else {}
-    tag = f"{name}_{'on' if on else 'off'}"
+    section = MODES[mode] if mode else {}
+    tag = f"{name}_{mode or 'off'}"
     folder, ckpt = f"{tmp}/{tag}{rank}", f"{tmp}/{tag}_ckpt"
     kw: dict[str, Any] = {}
     if name == "overflow":
@@ -140,7 +177,7 @@ def _sequence(tmp: str, name: str, on: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"at_interruption": -1}
 
     def note(e: Any) -> None:
-        out["at_interruption"] = _prefetched(e)
+        out["at_interruption"] = _stepped_early(e)
 
     if name == "save_mid":  # saved between the last backward and the step
         out["losses"] = _run(eng, 2)
@@ -163,7 +200,7 @@ def _sequence(tmp: str, name: str, on: bool) -> dict[str, Any]:
 
         def load(e: Any) -> None:
             e.load_checkpoint(ckpt, tag="s2")
-            out["after_load"] = _prefetched(e)
+            out["after_load"] = _stepped_early(e)
 
         out["losses"] += _run(eng, 1, first=3, probe=_at_boundary(note, load))
         out["losses"] += _run(eng, 1, first=4)
@@ -178,7 +215,7 @@ def _sequence(tmp: str, name: str, on: bool) -> dict[str, Any]:
         seen: list[tuple[bool, int, int]] = []
 
         def probe(e: Any, boundary: bool) -> None:
-            seen.append((boundary, _prefetched(e), e.skipped_steps))
+            seen.append((boundary, _stepped_early(e), e.skipped_steps))
             if boundary and e.skipped_steps == 0:  # the first steps overflow
                 note(e)
 
@@ -222,17 +259,56 @@ INTERRUPTIONS = ("save_mid", "load_mid", "detach_mid", "overflow", "exception")
 def scenario_interruptions(tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in INTERRUPTIONS:
-        on, off = _sequence(tmp, name, True), _sequence(tmp, name, False)
-        out[name] = {
-            "on": {k: v for k, v in on.items() if "state" not in k},
-            "off": {k: v for k, v in off.items() if "state" not in k},
-            "state_equal": {k: _same(on[k], off[k]) for k in on if "state" in k},
-        }
+        off = _sequence(tmp, name, None)
+        for mode in MODES:
+            on = _sequence(tmp, name, mode)
+            out[f"{name}/{mode}"] = {
+                "on": {k: v for k, v in on.items() if "state" not in k},
+                "off": {k: v for k, v in off.items() if "state" not in k},
+                "state_equal": {k: _same(on[k], off[k]) for k in on if "state" in k},
+            }
+    return out
+
+
+CLIPS = {"clips": 1e-3, "never_clips": 1e6, "unfused": 0.0}
+"""``gradient_clipping`` per case of :func:`scenario_clip` (``unfused``: none, torch's AdamW step
+through DeepSpeed's own unscale and step instead of the fused kernel)."""
+
+
+def scenario_clip(tmp: str) -> dict[str, Any]:
+    """Steps during backward where DeepSpeed's factor is not the assumed one (clipping that clips:
+    every speculative step undone), where clipping is on but does not clip (all taken), and on
+    the unfused step: losses and state equal the run without them."""
+    import zerohooks
+
+    rank = int(os.environ["RANK"])
+    out: dict[str, Any] = {}
+    for case, clip in CLIPS.items():
+        runs = {}
+        for mode in ("off", "step"):
+            section: dict[str, Any] = dict(MODES["step"]) if mode == "step" else {}
+            if case == "unfused":
+                section["fused_adam"] = False
+            cfg = _config(f"{tmp}/clip_{case}_{mode}{rank}", section)
+            cfg["gradient_clipping"] = clip
+            eng = _build(cfg)
+            losses = _run(eng, 3)
+            es = _early(eng)
+            runs[mode] = (losses, (params16(eng), masters(eng), moments(eng)))
+            out[f"{case}_{mode}_early"] = (es.steps, es.undone) if es is not None else None
+            out[f"{case}_{mode}_fused"] = _state(eng).fused_steps
+            zerohooks.detach(eng)
+        out[f"{case}_losses"] = (runs["step"][0], runs["off"][0])
+        out[f"{case}_equal"] = [_same(x, y) for x, y in zip(runs["step"][1], runs["off"][1], strict=True)]
     return out
 
 
 def _scenarios(tmp: str) -> dict[str, Any]:
-    return {"equal": scenario_equal(tmp), "interruptions": scenario_interruptions(tmp)}
+    return {
+        "equal": scenario_equal(tmp),
+        "clip": scenario_clip(tmp),
+        "interruptions": scenario_interruptions(tmp),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -242,10 +318,11 @@ def overlap(
     return two_rank_results(tmp_path_factory, "overlap", _scenarios)
 
 
-@pytest.mark.parametrize("name", ["all", "one"])
+@pytest.mark.parametrize("name", ["all", "one", "step"])
 def test_read_ahead_is_bit_identical(overlap: list[dict[str, Any]], name: str) -> None:
     """Losses, 16-bit weights, masters and moments equal DeepSpeed's CPU offload and the run
-    without read-ahead bit for bit; the same bytes are read and written (nothing read twice)."""
+    without read-ahead (or without steps during backward) bit for bit; the same bytes are read
+    and written (nothing read twice)."""
     for r in overlap:
         t = r["equal"]
         assert t[f"{name}_losses"] == t["off_losses"] == t["oracle"]
@@ -272,6 +349,42 @@ def test_read_ahead_only_at_the_boundary_and_within_budget(overlap: list[dict[st
         assert t["off_hits"] == 0 and all(n == 0 for _, n in t["off_probes"])
 
 
+def test_steps_during_backward_are_taken_by_the_step(overlap: list[dict[str, Any]]) -> None:
+    """``step_in_backward``: every step after the first finds sub-groups already stepped during the
+    boundary backward (none in the first micro-step of a window) and takes them all, none undone;
+    each swap file holds two regions."""
+    for r in overlap:
+        t = r["equal"]
+        groups = len(t["numels"])
+        probes = t["step_probes"]
+        assert [n for b, n in probes if not b] == [0] * 4
+        assert all(1 <= n <= groups for b, n in probes if b), probes
+        steps, undone = t["step_early"]
+        assert steps == sum(n for b, n in probes if b) and undone == 0
+        assert t["step_file_bytes"] == [2 * b for b in t["off_file_bytes"]]
+        assert t["off_early"] is None
+
+
+@pytest.mark.parametrize("case", list(CLIPS))
+def test_steps_during_backward_taken_or_undone_by_the_factor(
+    overlap: list[dict[str, Any]], case: str
+) -> None:
+    """Clipping that clips makes DeepSpeed's factor differ from the assumed one: every speculative
+    step is undone and the step runs as without them; clipping that does not clip, and the
+    unfused step, take them all.  Losses and state are those of the run without them, bit for bit."""
+    for r in overlap:
+        t = r["clip"]
+        step_losses, off_losses = t[f"{case}_losses"]
+        assert step_losses == off_losses and len(step_losses) == 6
+        assert t[f"{case}_equal"] == [True, True, True]
+        steps, undone = t[f"{case}_step_early"]
+        if case == "clips":
+            assert steps == 0 and undone >= 3  # at least one a step
+        else:
+            assert steps >= 3 and undone == 0
+        assert (t[f"{case}_off_fused"] == 0) == (case == "unfused")
+
+
 def test_prefetch_bytes_below_one_buffer_is_refused(overlap: list[dict[str, Any]]) -> None:
     for r in overlap:
         t = r["equal"]
@@ -281,12 +394,14 @@ def test_prefetch_bytes_below_one_buffer_is_refused(overlap: list[dict[str, Any]
         )
 
 
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("name", INTERRUPTIONS)
-def test_interruption_with_read_ahead(overlap: list[dict[str, Any]], name: str) -> None:
-    """The interruption came while sub-groups were read ahead, and the run (losses, and the state
-    each rank holds, read back and verified at detach) is the run without read-ahead."""
+def test_interruption_with_read_ahead(overlap: list[dict[str, Any]], name: str, mode: str) -> None:
+    """The interruption came while sub-groups were read ahead (or stepped during backward and not
+    yet taken by the step), and the run (losses, and the state each rank holds, read back and
+    verified at detach) is the run with neither."""
     for r in overlap:
-        t = r["interruptions"][name]
+        t = r["interruptions"][f"{name}/{mode}"]
         on, off = t["on"], t["off"]
         assert on["at_interruption"] >= 1 and off["at_interruption"] == 0
         assert on["losses"] == off["losses"] and on["losses"]
@@ -311,13 +426,13 @@ def test_interruption_with_read_ahead(overlap: list[dict[str, Any]], name: str) 
             assert on["raised"] == off["raised"] == "boom in backward"
 
 
-def _train_then_die(folder: str, ckpt: str) -> None:
-    """Rank 1 is killed after the last backward of step 4, with sub-groups read ahead (their
-    count written next to its folder first)."""
+def _train_then_die(folder: str, ckpt: str, mode: str) -> None:
+    """Rank 1 is killed after the last backward of step 4, with sub-groups read ahead or stepped
+    during backward (their count written next to its folder first)."""
     import signal
 
     rank = int(os.environ["RANK"])
-    engine = _build(_config(f"{folder}{rank}", {"prefetch_bytes": ALL}))
+    engine = _build(_config(f"{folder}{rank}", MODES[mode]))
     _run(engine, 2)
     engine.save_checkpoint(ckpt, tag="s2")
     _run(engine, 1, first=2)
@@ -325,33 +440,37 @@ def _train_then_die(folder: str, ckpt: str) -> None:
     def die(e: Any, boundary: bool) -> None:
         if boundary and rank == 1:
             with open(f"{folder}{rank}.prefetched", "w") as f:
-                f.write(str(_prefetched(e)))
+                f.write(str(_stepped_early(e)))
             os.kill(os.getpid(), signal.SIGKILL)
 
     _run(engine, 1, first=3, probe=die)
 
 
-def _resume(folder: str, ckpt: str) -> dict[str, Any]:
+def _resume(folder: str, ckpt: str, mode: str) -> dict[str, Any]:
     import zerohooks
 
     rank = int(os.environ["RANK"])
-    engine = _build(_config(f"{folder}{rank}", {"prefetch_bytes": ALL}))
+    engine = _build(_config(f"{folder}{rank}", MODES[mode]))
     engine.load_checkpoint(ckpt, tag="s2")
     losses = _run(engine, 2, first=2)
     zerohooks.detach(engine)
     return {"losses": losses}
 
 
-def test_killed_rank_with_read_ahead_then_resume(tmp_path: Any, overlap: list[dict[str, Any]]) -> None:
-    """A rank killed while sub-groups were read ahead leaves nothing that a resume from the last
-    checkpoint trusts: the resumed steps equal the uninterrupted run without read-ahead."""
+@pytest.mark.parametrize("mode", list(MODES))
+def test_killed_rank_with_read_ahead_then_resume(
+    tmp_path: Any, overlap: list[dict[str, Any]], mode: str
+) -> None:
+    """A rank killed while sub-groups were read ahead (or stepped during backward) leaves nothing
+    that a resume from the last checkpoint trusts: the resumed steps equal the uninterrupted run
+    with neither."""
     from zerohooks.testing import MultiRankError
 
     folder, ckpt = str(tmp_path / "swap"), str(tmp_path / "ckpt")
     with pytest.raises(MultiRankError):  # rank 1 died; rank 0 dies with it or fails in gloo
-        run_distributed(_train_then_die, 2, args=(folder, ckpt), timeout=600)
+        run_distributed(_train_then_die, 2, args=(folder, ckpt, mode), timeout=600)
     with open(f"{folder}1.prefetched") as f:
         assert int(f.read()) >= 1
-    resumed = run_distributed(_resume, 2, args=(folder, ckpt), timeout=600)
+    resumed = run_distributed(_resume, 2, args=(folder, ckpt, mode), timeout=600)
     for r, ref in zip(resumed, overlap, strict=True):
         assert r["losses"] == ref["equal"]["off_losses"][4:8]

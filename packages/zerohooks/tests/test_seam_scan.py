@@ -178,11 +178,13 @@ _PUBLIC = frozenset(
         "gradient_predivide_factor",
         "reduce_scatter",
         "offload_optimizer",
+        "loss_scale",
     }
 )
-"""ZeRO optimizer names that are also public API of the engine (``engine.optimizer``), fields of
-zerohooks' own config views (``ctx.offload_optimizer``: DeepSpeed's config section), or
-torch.distributed functions."""
+"""ZeRO optimizer names that are also public API of the engine (``engine.optimizer``, the
+optimizers' ``loss_scale`` property), fields of zerohooks' own config views
+(``ctx.offload_optimizer``: DeepSpeed's config section; loco's state keeps its own
+``loss_scale``), or torch.distributed functions."""
 
 
 def _chain(node: ast.AST) -> list[str]:

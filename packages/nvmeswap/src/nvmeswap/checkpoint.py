@@ -155,9 +155,10 @@ def mapped(state: SwapState, g: swapper.SubGroup) -> dict[str, torch.Tensor]:
     """``g``'s master (unless kept in RAM) and moments as views of a private memory map of its
     swap file (read-only use: a write would copy the page, never reach the file)."""
     whole = torch.from_file(g.path, shared=False, size=state.file_bytes(g), dtype=torch.uint8)
+    base = g.region * state.region_bytes(g)  # the live region (step_in_backward keeps two)
     out = {}
     for name, off in swapper.segments(state, g, g.keys):
-        out[name] = whole[off : off + g.numel * 4].view(torch.float32)
+        out[name] = whole[base + off : base + off + g.numel * 4].view(torch.float32)
     return out
 
 

@@ -67,6 +67,20 @@ class NvmeSwapConfig(PluginConfig):
     that is not 0 but smaller than one buffer is a ConfigError naming the buffer size, and these
     buffers count with ``buffer_count``'s in the RAM check made when the engine is built.  At
     most 2**48.  The arithmetic is unchanged: losses and weights are bit-identical to 0."""
+    step_in_backward: bool = False
+    """Step each swapped sub-group while backward still runs (the overlap of issue 37; off by
+    default).  At the last micro-step of an accumulation window, as soon as a sub-group's
+    gradients are all final, a background thread reads its master and moments, steps it, writes
+    its 16-bit partition and writes the new state to a second region of its swap file, while
+    backward goes on with the other sub-groups.  The step is speculative: it assumes no gradient
+    clipping applies and no overflow skips the step.  DeepSpeed's step then commits it when its
+    own unscale-and-clip factor is the one assumed (the new region becomes the live one), and
+    undoes it otherwise (an fp16 overflow or a non-finite bf16 norm, clipping that clips, a loss
+    scale raised at this step, a checkpoint, ``detach`` or DeepSpeed's get/set APIs used before
+    the step, a forward without a step): the 16-bit partition is restored from the live region
+    and the step runs as without it.  Losses and weights are bit-identical to ``false``.  Costs:
+    swap files twice the size (checked against the disk when the engine is built); no RAM beyond
+    ``buffer_count``'s buffers.  Not with ``prefetch_bytes`` (a ConfigError)."""
     io_engine: Literal["detect", "native", "python"] = "detect"
     """``detect`` (the default, also when the key is absent): the C++ engine, or the pure-Python
     one (with a warning) if it cannot be built; ``native``: the C++ engine or an error;
@@ -82,6 +96,22 @@ class NvmeSwapConfig(PluginConfig):
     optimizer; ``false``: never.  ``"auto"`` is also accepted (stored as ``when_supported``),
     but Trainer/accelerate reject any ``"auto"`` they cannot fill themselves: leave the key out
     there."""
+
+    @pydantic.model_validator(mode="after")
+    def _one_overlap(self) -> NvmeSwapConfig:
+        if self.step_in_backward and self.prefetch_bytes:
+            raise ValueError(
+                "step_in_backward and prefetch_bytes are two ways of overlapping the optimizer's I/O with "
+                "backward; choose one (step_in_backward hides the reads and the step, prefetch_bytes only "
+                "as many reads as its RAM holds)"
+            )
+        if self.step_in_backward and self.keep_master_in_ram:
+            raise ValueError(
+                "step_in_backward cannot be combined with keep_master_in_ram: a speculative step overwrites the "
+                "one copy of the master kept in RAM, which an undone step would need; set keep_master_in_ram "
+                "to false (the master is swapped with the moments) or step_in_backward to false"
+            )
+        return self
 
     @pydantic.field_validator("fused_adam", mode="before")
     @classmethod

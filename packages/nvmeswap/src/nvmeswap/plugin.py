@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import warnings
 import weakref
@@ -26,7 +27,7 @@ import torch
 from typing_extensions import override
 
 import zerohooks
-from nvmeswap import adam, checkpoint, fused, io, swapper
+from nvmeswap import adam, checkpoint, early, fused, io, swapper
 from nvmeswap.config import NvmeSwapConfig, check_deepspeed_features, rewrite_offload
 from nvmeswap.folder import FolderClaim, prepare
 from nvmeswap.swapfile import SwapCorruptionError
@@ -56,6 +57,8 @@ class NvmeSwapPlugin(ZeroPlugin):
         self.state: SwapState | None = None
         self._claim: FolderClaim | None = None
         self._atexit: Callable[[], None] | None = None
+        self.early: early.EarlyState | None = None
+        self._forward_hook: Any = None
 
     @override
     def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
@@ -76,6 +79,8 @@ class NvmeSwapPlugin(ZeroPlugin):
         registry.register_after_step(self._after_step, name=self.name)
 
     def _after_step(self, ctx: StepContext, skipped: bool) -> None:
+        if self.early is not None:
+            early.end_window(self.early)  # a skipped step undoes what was stepped during backward
         if self.state is not None:
             swapper.end_step(self.state)
 
@@ -112,12 +117,16 @@ class NvmeSwapPlugin(ZeroPlugin):
             make_engine=make_engine,
             algorithm=1 if native else 2,
             prefetch_bytes=cfg.prefetch_bytes,
+            regions=2 if cfg.step_in_backward else 1,
         )
         # the folder is this engine's, and every rank's files fit on their disks: checked with
         # every rank before any file is touched (all ranks fail together otherwise)
         self._claim = prepare(folder, rank, {g.path: state.file_bytes(g) for g in state.groups.values()})
         self.state = state
-        _install(att, opt, state, fuse)
+        es = self.early = early.EarlyState(state, fuse) if cfg.step_in_backward else None
+        _install(att, opt, state, fuse, es)
+        if es is not None:  # a forward with no step after the boundary backward undoes its steps
+            self._forward_hook = engine.module.register_forward_pre_hook(lambda *_: early.abandon(es))
         try:
             swapper.initialise(state)
         except BaseException:
@@ -138,6 +147,12 @@ class NvmeSwapPlugin(ZeroPlugin):
 
     @override
     def close(self) -> None:
+        es, self.early = self.early, None
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
+        if es is not None:
+            early.close(es)  # what was stepped during backward and not taken is undone first
         state, self.state = self.state, None
         if state is not None:
             try:
@@ -180,11 +195,20 @@ def _fused_choice(cfg: NvmeSwapConfig, opt: Any) -> bool:
     return True
 
 
-def _install(att: Any, opt: Any, state: SwapState, fuse: bool) -> None:
+def _install(att: Any, opt: Any, state: SwapState, fuse: bool, es: early.EarlyState | None) -> None:
     """nvmeswap's swapper in the place of DeepSpeed's ZeRO-3 NVMe path, through the adapter's
     optimizer-state store (:mod:`zerohooks.adapter.statestore`; undone by ``zerohooks.detach``);
-    ``fuse``: step swapped sub-groups with the fused Adam kernel whenever the optimizer allows it."""
+    ``fuse``: step swapped sub-groups with the fused Adam kernel whenever the optimizer allows it;
+    ``es``: sub-groups are stepped during backward (``step_in_backward``), DeepSpeed's step takes
+    those steps or has them undone."""
     groups = state.groups
+
+    def took(i: int) -> bool:  # stepped during backward, taken by this step
+        return es is not None and early.stepped(es, i)
+
+    def undo_early() -> None:  # before anything reads or replaces the state between backward and step
+        if es is not None:
+            early.abandon(es)
 
     def holds(i: int) -> bool:
         return i in groups
@@ -198,8 +222,14 @@ def _install(att: Any, opt: Any, state: SwapState, fuse: bool) -> None:
             grad_buffer = persistent.narrow(0, 0, grad_buffer.numel())
             state.needs_sync = True
         swapper.record_gradient(state, i, offset, grad_buffer)
+        if es is not None and state.recorded.get(i) == groups[i].numel:
+            early.submit(es, i)
 
     def prepare(i: int) -> None:
+        if es is not None:
+            early.settle(es, commit=True)  # DeepSpeed's step has begun: take or undo what backward stepped
+            if took(i):
+                return
         swapper.swap_in(state, i)
         if fuse and fused.refusal(opt.optimizer, opt) is None:
             state.fused.add(i)  # the gradient is read by the fused step itself
@@ -208,24 +238,39 @@ def _install(att: Any, opt: Any, state: SwapState, fuse: bool) -> None:
             statestore.set_master_grad(groups[i].master, swapper.build_gradient(state, i))
 
     def release(i: int) -> None:
+        if took(i):
+            return
         statestore.set_master_grad(groups[i].master, None)
         swapper.swap_out(state, i)
 
     statestore.take_over_sub_groups(
-        att, opt, holds, take_gradient=take_gradient, prepare=prepare, release=release
+        att,
+        opt,
+        holds,
+        take_gradient=take_gradient,
+        prepare=prepare,
+        release=release,
+        bit16_done=took if es is not None else None,
     )
-    if fuse:
+    if fuse or es is not None:
 
         def step(i: int, group: dict[str, Any]) -> None:
-            fused.step(state, i, opt.optimizer, group, state.grad_scales.pop(i))
+            scale = state.grad_scales.pop(i)
+            if not took(i):
+                fused.step(state, i, opt.optimizer, group, scale)
 
         statestore.take_over_step(
-            att, opt, state.fused.__contains__, note_scale=state.grad_scales.__setitem__, step=step
+            att,
+            opt,
+            lambda i: i in state.fused or took(i),
+            note_scale=state.grad_scales.__setitem__,
+            step=step,
         )
 
     # DeepSpeed's get/set APIs (safe_get_full_fp32_param, safe_set_full_grad, ...) read the
     # sub-group's tensors directly under CPU offload: bring them in first, write them back after.
     def gradient(i: int) -> torch.Tensor:
+        undo_early()
         if i not in state.overrides:  # the first access: the gradient as the step would see it
             numel = groups[i].numel
             state.overrides[i] = swapper.build_gradient(state, i, torch.empty(numel, dtype=torch.float32))
@@ -233,6 +278,7 @@ def _install(att: Any, opt: Any, state: SwapState, fuse: bool) -> None:
 
     @contextlib.contextmanager
     def reading(i: int) -> Iterator[bool]:
+        undo_early()
         if i in state.resident:
             yield False
             return
@@ -244,6 +290,7 @@ def _install(att: Any, opt: Any, state: SwapState, fuse: bool) -> None:
 
     @contextlib.contextmanager
     def writing(i: int) -> Iterator[None]:
+        undo_early()
         swapper.swap_in(state, i, prefetch=False)
         try:
             yield
@@ -251,20 +298,36 @@ def _install(att: Any, opt: Any, state: SwapState, fuse: bool) -> None:
             swapper.swap_out(state, i)
 
     statestore.guard_state_access(att, opt, holds, gradient=gradient, reading=reading, writing=writing)
-    _install_checkpoint(att, opt, state)
+    _install_checkpoint(att, opt, state, undo_early)
 
 
-def _install_checkpoint(att: Any, opt: Any, state: SwapState) -> None:
+def _install_checkpoint(att: Any, opt: Any, state: SwapState, undo_early: Callable[[], None]) -> None:
     """Checkpoints in DeepSpeed's CPU-offload format, streamed from and to the swap files
     (:mod:`nvmeswap.checkpoint`); refreshing the masters from the 16-bit weights (a module-only
     load) goes through the swap buffers one sub-group at a time."""
     engine = att.engine
     seams.read_checkpoints_mapped(att)  # the optimizer file (12 bytes a parameter) is mapped, not read
+
     # load_checkpoint(load_module_only=True / load_optimizer_states=False) refreshes the fp32
     # masters from the loaded 16-bit weights instead (refresh_fp32_params goes through it too)
+    # a checkpoint between the boundary backward and the step sees the state before the step:
+    # what backward stepped is undone first (step_in_backward)
+    def undoing(make: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def build(original: Any) -> Any:
+            inner = make(original)
+
+            @functools.wraps(inner)
+            def run(*args: Any, **kwargs: Any) -> Any:
+                undo_early()
+                return inner(*args, **kwargs)
+
+            return run
+
+        return build
+
     statestore.stream_checkpoints(
         att,
-        save=lambda f: checkpoint.streamed_save(state, f),
-        load=lambda f: checkpoint.streamed_load(state, engine, f),
-        refresh_masters=lambda f: checkpoint.streamed_refresh(state, f),
+        save=undoing(lambda f: checkpoint.streamed_save(state, f)),
+        load=undoing(lambda f: checkpoint.streamed_load(state, engine, f)),
+        refresh_masters=undoing(lambda f: checkpoint.streamed_refresh(state, f)),
     )

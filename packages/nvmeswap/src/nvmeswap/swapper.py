@@ -40,7 +40,19 @@ EMPTY = torch.empty(0, dtype=torch.float32)
 class SubGroup:
     """One swapped sub-group of one rank."""
 
-    __slots__ = ("checksum", "generation", "index", "keys", "master", "numel", "path", "slot", "writer")
+    __slots__ = (
+        "checksum",
+        "generation",
+        "index",
+        "keys",
+        "master",
+        "numel",
+        "path",
+        "region",
+        "slot",
+        "staged",
+        "writer",
+    )
 
     def __init__(self, index: int, numel: int, path: str, master: torch.Tensor) -> None:
         self.index = index
@@ -57,6 +69,11 @@ class SubGroup:
         """The buffer holding it now (resident or being read), None when only on disk."""
         self.writer: Any = None
         """The I/O engine of its last write (waited for before the file is read again)."""
+        self.region = 0
+        """The region of its file holding its live state (0, or 1 with ``step_in_backward``)."""
+        self.staged: tuple[int, int, tuple[str, ...]] | None = None
+        """(checksum, generation, keys) of a speculative step written to the other region, not
+        yet committed (:mod:`nvmeswap.early`)."""
 
 
 class Slot:
@@ -107,6 +124,7 @@ class SwapState:
         "prefetch_slots",
         "prefetched",
         "recorded",
+        "regions",
         "resident",
         "scratch",
         "slots",
@@ -124,12 +142,15 @@ class SwapState:
         algorithm: int,
         state_slots: int = 2,
         prefetch_bytes: int = 0,
+        regions: int = 1,
     ) -> None:
         self.optimizer = optimizer
         self.folder = folder
         self.keep_master = keep_master
         self.algorithm = algorithm
         self.state_slots = state_slots
+        self.regions = regions
+        """Regions per swap file: 2 with ``step_in_backward`` (the live state and a speculative step)."""
         numels = statestore.sub_group_numels(optimizer)
         self.groups: dict[int, SubGroup] = {
             i: SubGroup(
@@ -185,8 +206,11 @@ class SwapState:
         self.io_wait = 0.0
         """Seconds spent waiting for reads and writes to finish (the step blocked on the disk)."""
 
-    def file_bytes(self, g: SubGroup) -> int:
+    def region_bytes(self, g: SubGroup) -> int:
         return HEADER + (self.state_slots + (0 if self.keep_master else 1)) * segment_bytes(g.numel)
+
+    def file_bytes(self, g: SubGroup) -> int:
+        return self.regions * self.region_bytes(g)
 
 
 def _meminfo(key: str) -> int | None:
@@ -299,7 +323,7 @@ def _read(state: SwapState, g: SubGroup, slot: Slot | None = None) -> None:
         _wait(state, g.writer)  # engines do not order requests between them
     g.writer = None
     nbytes = HEADER + len(segments(state, g, g.keys)) * segment_bytes(g.numel)
-    slot.engine.submit("r", slot.buffer[:nbytes], g.path, 0)
+    slot.engine.submit("r", slot.buffer[:nbytes], g.path, g.region * state.region_bytes(g))
     state.bytes_read += nbytes
 
 
@@ -356,8 +380,9 @@ def swap_in(state: SwapState, index: int, prefetch: bool = True) -> None:
                 _read(state, nxt)
 
 
-def swap_out(state: SwapState, index: int, write: bool = True) -> None:
-    """Write sub-group ``index`` back (asynchronously) and release its storage."""
+def swap_out(state: SwapState, index: int, write: bool = True, staged: bool = False) -> None:
+    """Write sub-group ``index`` back (asynchronously) and release its storage; ``staged``: to the
+    region of its file that is not live, recorded in ``staged`` until committed or dropped."""
     g = state.groups[index]
     opt_state = state.optimizer.optimizer.state.get(g.master, {})
     keys = tuple(
@@ -374,7 +399,8 @@ def swap_out(state: SwapState, index: int, write: bool = True) -> None:
     if slot is None:  # never swapped in (the first write, from DeepSpeed's own tensors)
         slot = _acquire(state, g)
         slot.ready = True
-    g.keys = keys
+    if not staged:
+        g.keys = keys
     segs = segments(state, g, keys)
     sources = ([] if state.keep_master else [g.master]) + [opt_state[k] for k in keys]
     for (_, off), t in zip(segs, sources, strict=True):
@@ -383,8 +409,13 @@ def swap_out(state: SwapState, index: int, write: bool = True) -> None:
             dst.copy_(t.detach().reshape(-1))
     nbytes = len(segs) * segment_bytes(g.numel)
     if write:
-        g.generation += 1
-        g.checksum = io.checksum(slot.buffer[HEADER : HEADER + nbytes], state.algorithm)
+        generation = g.generation + 1
+        checksum = io.checksum(slot.buffer[HEADER : HEADER + nbytes], state.algorithm)
+        region = 1 - g.region if staged else g.region
+        if staged:
+            g.staged = (checksum, generation, keys)
+        else:
+            g.generation, g.checksum = generation, checksum
         encode_header(
             slot.buffer,
             {
@@ -393,11 +424,11 @@ def swap_out(state: SwapState, index: int, write: bool = True) -> None:
                 "keys": list(keys),
                 "master": not state.keep_master,
                 "algorithm": state.algorithm,
-                "checksum": g.checksum,
-                "generation": g.generation,
+                "checksum": checksum,
+                "generation": generation,
             },
         )
-        slot.engine.submit("w", slot.buffer[: HEADER + nbytes], g.path, 0)
+        slot.engine.submit("w", slot.buffer[: HEADER + nbytes], g.path, region * state.region_bytes(g))
         g.writer = slot.engine
         state.bytes_written += HEADER + nbytes
     if not state.keep_master:

@@ -42,6 +42,7 @@ from zerohooks.adapter.base import Attachment
 
 __all__ = [
     "SEAM",
+    "bit16_from_master",
     "check",
     "deferred_state",
     "gradient_partitions",
@@ -53,12 +54,15 @@ __all__ = [
     "positions",
     "record_gradient_norm",
     "rigid_load_replaced",
+    "scaled_norm",
     "set_master",
     "set_master_grad",
     "stream_checkpoints",
     "sub_group_numels",
     "take_over_step",
     "take_over_sub_groups",
+    "unscale_and_step",
+    "unscale_factor",
 ]
 
 SEAM = "optimizer_state_store"
@@ -96,6 +100,41 @@ def master_from_bit16(opt: Any, sub_group: int) -> None:
     DeepSpeed's ``_restore_from_bit16_weights`` does to every sub-group: the plugin calls it for
     one sub-group at a time, with the master in RAM)."""
     master(opt, sub_group).data.copy_(opt.fp16_partitioned_groups_flat[sub_group].data)
+
+
+def bit16_from_master(opt: Any, sub_group: int) -> None:
+    """Write sub-group ``sub_group``'s 16-bit partition from its fp32 master (in RAM), in place:
+    the copy DeepSpeed's step makes after stepping the sub-group, made early by a plugin that steps
+    it before DeepSpeed's step runs (the parameters' partitions are views of it)."""
+    opt.fp16_partitioned_groups_flat[sub_group].data.copy_(master(opt, sub_group).data)
+
+
+def unscale_factor(opt: Any, total_norm: Any) -> float:
+    """The factor DeepSpeed's own unscale-and-clip multiplies a gradient by for ``total_norm`` (the
+    loss-scaled global norm), rounded as it rounds it (run on a one-element stand-in)."""
+    flat = opt.fp32_partitioned_groups_flat
+    probe = torch.ones(1, dtype=torch.float32)
+    probe.grad = torch.ones(1, dtype=torch.float32)
+    saved, flat[0] = flat[0], probe
+    try:
+        type(opt).unscale_and_clip_grads(opt, 0, total_norm)
+    finally:
+        flat[0] = saved
+    return float(probe.grad[0])
+
+
+def scaled_norm(opt: Any) -> Any:
+    """The loss-scaled global gradient norm of the step DeepSpeed is running (set before its
+    sub-group loop): what its unscale-and-clip receives."""
+    return opt._global_grad_norm * opt.loss_scale
+
+
+def unscale_and_step(opt: Any, sub_group: int, total_norm: Any) -> None:
+    """DeepSpeed's own unscale-and-clip for ``total_norm`` and its step of one sub-group whose
+    master and fp32 gradient are ready, bypassing the plugin's replacements (a plugin stepping
+    a sub-group ahead of DeepSpeed's step)."""
+    type(opt).unscale_and_clip_grads(opt, sub_group, total_norm)
+    type(opt)._optimizer_step(opt, sub_group)
 
 
 def set_master_grad(tensor: torch.Tensor, grad: torch.Tensor | None) -> None:
@@ -159,13 +198,16 @@ def take_over_sub_groups(
     take_gradient: Callable[[Any, int, int, torch.Tensor], None],
     prepare: Callable[[int], None],
     release: Callable[[int], None],
+    bit16_done: Callable[[int], bool] | None = None,
 ) -> None:
     """For each sub-group ``holds`` accepts, the plugin holds the fp32 state: at the accumulation
     boundary DeepSpeed records the gradient norm and hands the 16-bit gradient partition to
     ``take_gradient(param, sub_group, offset, grad)`` instead of offloading it; before a
     sub-group's step ``prepare(sub_group)`` makes its master, moments and fp32 gradient (or what
-    the step reads instead) ready, after it ``release(sub_group)`` puts them away.  Every other
-    sub-group goes DeepSpeed's own way."""
+    the step reads instead) ready, after it ``release(sub_group)`` puts them away.  Where
+    ``bit16_done(sub_group)`` is true the plugin has already written the sub-group's 16-bit
+    partition from its stepped master (:func:`bit16_from_master`): DeepSpeed's copy after the
+    step only points the parameters at it again.  Every other sub-group goes DeepSpeed's own way."""
 
     def make_boundary(original: Callable[..., Any]) -> Callable[..., Any]:
         def at_boundary(param: Any, grad_buffer: torch.Tensor, fp32_grads: Any, fp32_offsets: Any) -> Any:
@@ -193,6 +235,20 @@ def take_over_sub_groups(
     att.patch(opt, "_offload_grad_partition_at_boundary", make_boundary, _OPT)
     att.patch(opt, "_prepare_sub_group", make_around(prepare), _OPT)
     att.patch(opt, "_release_sub_group", make_around(release), _OPT)
+    if bit16_done is None:
+        return
+    done = bit16_done
+
+    def make_reassign(original: Callable[..., Any]) -> Callable[..., Any]:
+        def reassign(sub_group_id: int) -> Any:
+            if not done(sub_group_id):
+                return original(sub_group_id)
+            opt._unflatten_partitioned_parameters(sub_group_id)
+            return None
+
+        return reassign
+
+    att.patch(opt, "_reassign_or_swap_out_partitioned_parameters", make_reassign, _OPT)
 
 
 def take_over_step(

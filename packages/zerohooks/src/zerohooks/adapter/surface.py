@@ -326,9 +326,9 @@ SEAMS: dict[str, tuple[Internal, ...]] = {
             "optimizer_state_store",
             ZERO3,
             (3,),
-            patch="_offload_grad_partition_at_boundary _prepare_sub_group _release_sub_group unscale_and_clip_grads _optimizer_step _get_fp32_grad_state_partition _get_fp32_opt_state_partition set_full_hp_param set_local_hp_param _restore_from_bit16_weights _rigid_load_state_dict",
+            patch="_offload_grad_partition_at_boundary _prepare_sub_group _release_sub_group unscale_and_clip_grads _optimizer_step _get_fp32_grad_state_partition _get_fp32_opt_state_partition set_full_hp_param set_local_hp_param _restore_from_bit16_weights _rigid_load_state_dict _reassign_or_swap_out_partitioned_parameters",
             write="norm_for_param_grads",
-            read="fp32_partitioned_groups_flat fp16_partitioned_groups_flat_numel grad_position __param_id_to_grad_partition _constant_buffered_norm2 sub_group_to_group_id get_param_id optimizer",
+            read="fp32_partitioned_groups_flat fp16_partitioned_groups_flat_numel grad_position __param_id_to_grad_partition _constant_buffered_norm2 sub_group_to_group_id get_param_id optimizer _unflatten_partitioned_parameters _global_grad_norm loss_scale",
         ),
         *_entries("optimizer_state_store", ENGINE, (3,), patch="_save_zero_checkpoint _load_zero_checkpoint"),
         # while DeepSpeed builds the optimizer (skipped on a DeepSpeed without them)
