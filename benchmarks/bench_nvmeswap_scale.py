@@ -150,6 +150,16 @@ def _config(run: str, folder: str, a: argparse.Namespace) -> dict[str, Any]:
     return cfg
 
 
+def _early_counts(engine: Any) -> list[int] | None:
+    import zerohooks
+
+    att = zerohooks.attachment(engine)
+    for p in att.plugins if att is not None else ():
+        if p.name == "nvmeswap" and p.early is not None:
+            return [p.early.steps, p.early.undone]
+    return None
+
+
 def _disk_busy_ms(folder: str) -> int | None:
     """Milliseconds the block device holding ``folder`` has been busy (``io_ticks`` of its
     ``/sys/dev/block/<major>:<minor>/stat``: time with at least one request in flight, every
@@ -263,6 +273,8 @@ def child(a: argparse.Namespace) -> None:
             "disk_wait_s": (state.io_wait - wait0) if state is not None else None,
             "disk_busy_s": (busy1 - busy0) / 1000 if busy0 is not None and busy1 is not None else None,
             "prefetch_hits": state.prefetch_hits if state is not None else None,
+            # step_in_backward: sub-group steps taken from backward / undone, so far
+            "early": _early_counts(engine),
             "read_per_param": (r1 - r0) / numel,
             "write_per_param": (w1 - w0) / numel,
         }
@@ -274,6 +286,7 @@ def child(a: argparse.Namespace) -> None:
             f"optimizer {rec['opt_s']:.1f}s"
             + (f", disk wait {rec['disk_wait_s']:.1f}s" if state is not None else "")
             + (f", disk busy {rec['disk_busy_s']:.1f}s" if rec["disk_busy_s"] is not None else "")
+            + (f", from backward {rec['early'][0]} / undone {rec['early'][1]}" if rec["early"] else "")
             + f")  read {rec['read_per_param']:.2f} B/param, written {rec['write_per_param']:.2f} B/param, "
             f"RSS {_status_kib('VmRSS') / 2**20:.1f} GiB",
             flush=True,

@@ -78,7 +78,8 @@ class NvmeSwapConfig(PluginConfig):
     undoes it otherwise (an fp16 overflow or a non-finite bf16 norm, clipping that clips, a loss
     scale raised at this step, a checkpoint, ``detach`` or DeepSpeed's get/set APIs used before
     the step, a forward without a step): the 16-bit partition is restored from the live region
-    and the step runs as without it.  Losses and weights are bit-identical to ``false``.  Costs:
+    and the step runs as without it (after an undone window speculation pauses for 1, 2, 4, ...
+    at most 64 windows).  Losses and weights are bit-identical to ``false``.  Costs:
     swap files twice the size (checked against the disk when the engine is built); no RAM beyond
     ``buffer_count``'s buffers.  Not with ``prefetch_bytes`` (a ConfigError)."""
     io_engine: Literal["detect", "native", "python"] = "detect"

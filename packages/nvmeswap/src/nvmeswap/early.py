@@ -17,6 +17,12 @@ undoes it: the optimizer's small state (Adam's step count) is put back, the 16-b
 rewritten from the live region's master, and the step runs as if nothing had happened.  So
 losses and weights are those of ``step_in_backward: false`` bit for bit.
 
+A window whose speculative steps are undone read and wrote their state twice.  So after one,
+speculation pauses for a number of windows that doubles with each undone window in a row (1, 2,
+4, ... at most :data:`MAX_PAUSE`) and starts again at once after a taken one: gradient clipping
+that clips in the first steps of a training (DeepSpeed's default ``gradient_clipping`` is 1.0)
+costs a few windows' double I/O, not one per step.
+
 All of it lives in one :class:`EarlyState` (``__slots__``); the functions here take it.
 """
 
@@ -32,7 +38,20 @@ from nvmeswap import fused, swapper
 from nvmeswap.swapper import SwapState
 from zerohooks.adapter import statestore
 
-__all__ = ["EarlyState", "abandon", "close", "drain", "settle", "stepped", "submit"]
+__all__ = [
+    "MAX_PAUSE",
+    "EarlyState",
+    "abandon",
+    "close",
+    "drain",
+    "end_window",
+    "settle",
+    "stepped",
+    "submit",
+]
+
+MAX_PAUSE = 64
+"""Most windows speculation pauses for after undone windows in a row."""
 
 
 class EarlyState:
@@ -44,7 +63,11 @@ class EarlyState:
         "cond",
         "decided",
         "error",
+        "failures",
         "fuse",
+        "outcome",
+        "pause",
+        "paused",
         "queue",
         "snapshots",
         "spec_factor",
@@ -79,6 +102,14 @@ class EarlyState:
         self.spec_factor: float | None = None
         self.steps = 0
         """Speculative sub-group steps committed so far."""
+        self.outcome: str | None = None
+        """This window's: ``"taken"``, ``"undone"`` or None (nothing was stepped during backward)."""
+        self.failures = 0
+        """Windows undone in a row."""
+        self.pause = 0
+        """Windows left with no speculation (after undone ones)."""
+        self.paused = 0
+        """Windows with no speculation so far, for the backoff."""
         self.undone = 0
         """Speculative sub-group steps undone so far."""
 
@@ -90,7 +121,7 @@ def stepped(es: EarlyState, index: int) -> bool:
 
 def submit(es: EarlyState, index: int) -> None:
     """Sub-group ``index``'s gradients are final in the boundary backward: step it in the background."""
-    if es.decided or es.error is not None or index not in es.state.groups:
+    if es.decided or es.pause or es.error is not None or index not in es.state.groups:
         return
     if es.spec_factor is None:  # what nothing clipping gives, as DeepSpeed rounds it
         es.spec_norm = torch.zeros((), dtype=torch.float32)
@@ -203,6 +234,7 @@ def settle(es: EarlyState, commit: bool) -> None:
             g.staged, g.region = None, 1 - g.region
             es.committed.add(i)
         es.steps += len(es.touched)
+        es.outcome = "taken"
         return
     _undo(es, bit16=not in_step)
     _raise(es)
@@ -233,6 +265,7 @@ def _undo(es: EarlyState, bit16: bool) -> None:
         finally:
             swapper.swap_out(state, i, write=False)
     es.undone += len(es.touched)
+    es.outcome = "undone"
 
 
 def abandon(es: EarlyState) -> None:
@@ -245,6 +278,15 @@ def abandon(es: EarlyState) -> None:
 def end_window(es: EarlyState) -> None:
     """After the optimizer step (or a skipped one): undo what was not taken, start a new window."""
     abandon(es)
+    if es.pause:
+        es.pause -= 1
+        es.paused += 1
+    elif es.outcome == "undone":
+        es.failures += 1
+        es.pause = min(2 ** (es.failures - 1), MAX_PAUSE)
+    elif es.outcome == "taken":
+        es.failures = 0
+    es.outcome = None
     es.touched.clear()
     es.snapshots.clear()
     es.committed.clear()
