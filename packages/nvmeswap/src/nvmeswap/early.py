@@ -162,6 +162,10 @@ def _step_one(es: EarlyState, index: int) -> None:
     es.snapshots[index] = _snapshot(opt.optimizer.state.get(g.master), g.keys)
     es.touched.append(index)
     swapper.swap_in(state, index, prefetch=False)
+    with es.cond:  # the next final sub-group is read while this one is stepped
+        following = es.queue[0] if es.queue else -1
+    if following >= 0:
+        swapper.read_next(state, following)
     if es.fuse and fused.refusal(opt.optimizer, opt) is None:
         swapper.sync_gradients(state)
         assert es.spec_factor is not None

@@ -481,6 +481,22 @@ def prefetch(state: SwapState, index: int) -> bool:
     return True
 
 
+def read_next(state: SwapState, index: int) -> bool:
+    """Start reading sub-group ``index`` into a free buffer with no I/O in flight, if there is one
+    and it is not in a buffer already (the next sub-group stepped during backward); True if
+    started.  It counts as read ahead (``prefetched``) until its step swaps it in or
+    :func:`drop_prefetched`."""
+    g = state.groups[index]
+    if g.slot is not None or g.checksum is None:
+        return False
+    slot = _free_slot(state, idle=True)
+    if slot is None:
+        return False
+    _read(state, g, slot)
+    state.prefetched.add(index)
+    return True
+
+
 def drop_prefetched(state: SwapState) -> None:
     """Forget the sub-groups read ahead and not stepped (a skipped step, a checkpoint, a load):
     their buffers are free again (reused once their reads are done), nothing is written."""
