@@ -12,6 +12,10 @@ here instead of naming DeepSpeed's ZeRO-3 internals:
   state are keyed by it), only what it holds changes;
 * the gradient norm DeepSpeed records at the accumulation boundary, recorded for a gradient the
   plugin takes over (:func:`record_gradient_norm`);
+* a sub-group stepped before DeepSpeed's step (nvmeswap's ``step_in_backward``): DeepSpeed's own
+  unscale-and-step of it (:func:`unscale_and_step`), its 16-bit partition written from the
+  master (:func:`bit16_from_master`), the factor DeepSpeed's unscale-and-clip gives for a norm
+  (:func:`unscale_factor`) and the norm of the step it is running (:func:`scaled_norm`);
 * the checkpoint load of the optimizer's state dict replaced while a load runs
   (:func:`rigid_load_replaced`), put back when it ends;
 * the plugin's store in DeepSpeed's place, per optimizer instance: a held sub-group's boundary
