@@ -193,6 +193,7 @@ TABLES: dict[str, dict[str, dict[str, list[Any]]]] = {
     },
     "nvmeswap": {
         "keep_master_in_ram": BOOL,
+        "step_in_backward": BOOL,
         "folder": {V: [None, SWAP_DIR], X: [3, [], True, ["a"], ""]},
         "buffer_count": {
             V: [2, 3, 5, 16],
@@ -352,6 +353,14 @@ def _judge_section(name: str, value: Any, verdict: Verdict) -> None:
         if dynamic and fields.get("loss_scale", 0) not in (0, 0.0):
             # a static scale makes the dynamic-scaling keys moot: refused by the checks being added
             verdict.reason(verdict.may, f"autocastzero: {dynamic} with a static loss_scale", name, *dynamic)
+    if name == "nvmeswap" and fields.get("step_in_backward") is True:
+        prefetch = fields.get("prefetch_bytes", 0)
+        if fields.get("keep_master_in_ram") is True:
+            verdict.reason(
+                verdict.must, "nvmeswap: step_in_backward with keep_master_in_ram", "step_in_backward"
+            )
+        if type(prefetch) is int and prefetch != 0:
+            verdict.reason(verdict.must, "nvmeswap: step_in_backward with prefetch_bytes", "step_in_backward")
     if name == "mixedlayers":
         chosen = [k for k in SELECTION_KEYS if k in fields and fields[k] not in ([], None)]
         if not chosen:
