@@ -468,17 +468,12 @@ def prefetch(state: SwapState, index: int) -> bool:
     in flight (backward never waits on the disk); True if the read was started.  The buffer
     stays the sub-group's until its step swaps it in (verified then) or :func:`drop_prefetched`."""
     g = state.groups[index]
-    if len(state.prefetched) >= state.prefetch_slots or g.slot is not None or g.checksum is None:
+    if len(state.prefetched) >= state.prefetch_slots:
         return False
     if g.writer is not None and g.writer.pending():
         return False
     # at most prefetch_slots of the buffers are held this way: buffer_count stay for the step
-    slot = _free_slot(state, idle=True)
-    if slot is None:
-        return False
-    _read(state, g, slot)
-    state.prefetched.add(index)
-    return True
+    return read_next(state, index)
 
 
 def read_next(state: SwapState, index: int) -> bool:
