@@ -34,7 +34,10 @@ every process of the run together) and the process's ``VmHWM`` are reported.
 * Disk bound: ``fio`` (O_DIRECT, the swappers' 1 MiB requests, iodepth 8) writing then reading a
   ``--fio-size`` file in the same folder, in the same run; the optimizer phase's bound is bytes
   moved / fio rate, and each step is compared with max(forward+backward, bytes read / fio read
-  rate, bytes written / fio write rate), what a fully overlapped step cannot beat.
+  rate, bytes written / fio write rate), what a fully overlapped step cannot beat if the device
+  reads and writes at once at full speed; fio then reads and writes half and half at once on the
+  same device, and each step is also compared with max(forward+backward, bytes read and written /
+  that summed rate): the bound of a step whose reads and writes share one device.
 * Resume (nvmeswap): steps 1-2, ``save_checkpoint`` into the same folder (time and bytes written),
   a new process loads it and runs steps 3-4: losses and a weight checksum must equal the
   uninterrupted run's bit for bit.
@@ -328,6 +331,15 @@ def _fio(folder: str, size: str) -> dict[str, float]:
                 capture_output=True, text=True, check=True,
             )  # fmt: skip
             rates[rw] = float(json.loads(res.stdout)["jobs"][0][rw]["bw_bytes"])
+        # reads and writes at once, half and half (what a step moves: 12 B/param each way), on
+        # the one device: their summed rate is what a step that overlaps them can reach
+        res = subprocess.run(
+            ["fio", "--name=scale", f"--filename={path}", f"--size={size}", "--bs=1M", "--direct=1",
+             "--rw=rw", "--rwmixread=50", "--ioengine=libaio", "--iodepth=8", "--numjobs=1", "--output-format=json"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        job = json.loads(res.stdout)["jobs"][0]
+        rates["mixed"] = float(job["read"]["bw_bytes"]) + float(job["write"]["bw_bytes"])
     finally:
         if os.path.exists(path):
             os.remove(path)
@@ -437,8 +449,16 @@ def _summary(r: dict[str, Any], warmup: int, fio: dict[str, float]) -> dict[str,
             )
             step["overlap_bound_s"] = max(bounds)
             step["step_vs_overlap_bound"] = step["step_s"] / max(bounds) if max(bounds) else None
+            if fio.get("mixed"):  # reads and writes share the device: their sum at the mixed rate
+                moved = (step["read_per_param"] + step["write_per_param"]) * n / fio["mixed"]
+                step["disk_bound_s"] = max(step["fwd_bwd_s"], moved)
+                step["step_vs_disk_bound"] = (
+                    step["step_s"] / step["disk_bound_s"] if step["disk_bound_s"] else None
+                )
         out["overlap_bound_s"] = med("overlap_bound_s")
         out["step_vs_overlap_bound"] = med("step_vs_overlap_bound")
+        out["mixed_bound_s"] = med("disk_bound_s")
+        out["step_vs_mixed_bound"] = med("step_vs_disk_bound")
     return out
 
 
@@ -473,12 +493,13 @@ def _plot(payload: dict[str, Any], path: Path) -> None:
 def _markdown(p: dict[str, Any]) -> str:
     lines = [
         f"Model: {p['params'] / 1e9:.3f} B params ({p['model']}), fp32 state {12 * p['params'] / 1e9:.1f} GB; "
-        f"fio on {p['folder']}: write {p['fio'].get('write', 0) / 1e9:.2f} GB/s, read {p['fio'].get('read', 0) / 1e9:.2f} GB/s",
+        f"fio on {p['folder']}: write {p['fio'].get('write', 0) / 1e9:.2f} GB/s, read {p['fio'].get('read', 0) / 1e9:.2f} GB/s, "
+        f"both at once (50/50) {p['fio'].get('mixed', 0) / 1e9:.2f} GB/s summed",
         "",
         "| run | rc | step s | fwd/bwd s | optimizer s | disk wait s | disk busy s | read B/param | written B/param "
         "| implied read/write GB/s | optimizer / disk bound | step / max(fwd+bwd, read, write bound) "
-        "| peak (cgroup / VmHWM) GiB | losses |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| step / max(fwd+bwd, read+write at the mixed rate) | peak (cgroup / VmHWM) GiB | losses |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(v: Any, fmt: str = ".2f") -> str:
@@ -497,6 +518,7 @@ def _markdown(p: dict[str, Any]) -> str:
             f"{f(s.get('opt_s'), '.1f')} | {f(s.get('disk_wait_s'), '.1f')} | {f(s.get('disk_busy_s'), '.1f')} | "
             f"{f(s.get('read_per_param'))} | {f(s.get('write_per_param'))} | {rates} | {f(s.get('opt_vs_bound'))} | "
             f"{f(s.get('step_vs_overlap_bound'))} ({f(s.get('overlap_bound_s'), '.1f')} s) | "
+            f"{f(s.get('step_vs_mixed_bound'))} ({f(s.get('mixed_bound_s'), '.1f')} s) | "
             f"{f(r.get('cgroup_peak_gib'), '.1f')} / {f(r.get('vm_hwm_gib'), '.1f')} | {losses or r.get('note', '')} |"
         )
     for k, v in p.get("derived", {}).items():

@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import glob
+import mmap
 import os
+import struct
 from collections.abc import Iterator
 from typing import Any
 
@@ -248,7 +250,7 @@ def scenario_checkpoint(tmp: str) -> dict[str, Any]:
 
     losses += train(eng, 2, first=2)
     fresh = _build(config(f"{tmp}/ck_b{rank}", nvmeswap={}))
-    with _recording_loads() as reads:
+    with _recording_loads() as reads, _watching_saved_masters(rank) as written_back:
         fresh.load_checkpoint(ckpt, tag="s2")
     gc.collect()
     with open("/proc/self/maps") as f:  # the checkpoint's files still mapped once the load is done
@@ -279,8 +281,62 @@ def scenario_checkpoint(tmp: str) -> dict[str, Any]:
         third.load_checkpoint(ckpt, tag="s2", load_module_only=True)
     finally:
         swapper.swap_in = real_swap_in  # type: ignore[assignment]
+    module_only_resident = list(resident_counts)
     module_only = [torch.equal(m, w) for m, w in zip(masters(third), weights(third), strict=True)]
     module_only_losses = train(third, 1, first=2)
+    # load_optimizer_states=False, against DeepSpeed's own CPU offload doing the same: through
+    # load_checkpoint (DeepSpeed 0.19.8 then refreshes the masters from the loaded 16-bit weights),
+    # then through DeepSpeed's ZeRO load itself (_load_zero_checkpoint, as other releases call it:
+    # the checkpoint's masters, the moments kept); streamed, one sub-group resident at a time
+    no_moments: dict[str, Any] = {}
+    for who, cfg, plugins in (
+        ("nvmeswap", config(f"{tmp}/ck_e{rank}", nvmeswap={}), True),
+        ("oracle", _oracle_config(f"{tmp}/ck_f{rank}"), False),
+    ):
+        e = _build(cfg, plugins=plugins)
+        train(e, 1)
+        out: dict[str, Any] = {}
+        for how in ("load_checkpoint", "zero_load"):
+            kept = moments(e)
+            resident_counts.clear()
+            swapper.swap_in = counting_swap_in  # type: ignore[assignment]
+            try:
+                if how == "load_checkpoint":
+                    e.load_checkpoint(ckpt, tag="s2", load_optimizer_states=False)
+                else:
+                    e._load_zero_checkpoint(ckpt, "s2", load_optimizer_states=False)
+            finally:
+                swapper.swap_in = real_swap_in  # type: ignore[assignment]
+            out[how] = {
+                "moments_kept": all(torch.equal(a, b) for a, b in zip(moments(e), kept, strict=True)),
+                "masters_are_weights": all(
+                    torch.equal(m, w) for m, w in zip(masters(e), weights(e), strict=True)
+                ),
+                "masters_loaded": all(
+                    torch.equal(a, b) for a, b in zip(masters(e), saved_masters, strict=True)
+                ),
+                "resident": list(resident_counts),
+                "tensors": (masters(e), moments(e), weights(e)),
+            }
+        out["losses"] = train(e, 1, first=2)
+        out["tensors"] = (masters(e), moments(e), weights(e))
+        if plugins:
+            zerohooks.detach(e)
+        del e
+        no_moments[who] = out
+
+    def equal(x: Any, y: Any) -> bool:  # tensors stay in the rank: only the comparison goes back
+        return all(
+            torch.equal(a, b) for xs, ys in zip(x, y, strict=True) for a, b in zip(xs, ys, strict=True)
+        )
+
+    no_moments["equal"] = {
+        k: equal(no_moments["nvmeswap"][k].pop("tensors"), no_moments["oracle"][k].pop("tensors"))
+        for k in ("load_checkpoint", "zero_load")
+    }
+    no_moments["equal"]["after"] = equal(
+        no_moments["nvmeswap"].pop("tensors"), no_moments["oracle"].pop("tensors")
+    )
     fourth = _build(config(f"{tmp}/ck_d{rank}", nvmeswap={}))
     with zerohooks.trust_checkpoint_code(), _recording_loads() as trusted_reads:
         fourth.load_checkpoint(ckpt, tag="s2")
@@ -300,11 +356,67 @@ def scenario_checkpoint(tmp: str) -> dict[str, Any]:
         "module_only": module_only,
         "masters_before_module_only": masters_before,
         "module_only_losses": module_only_losses,
-        "module_only_resident": resident_counts,
+        "module_only_resident": module_only_resident,
+        "written_back": written_back,
+        "no_moments": no_moments,
         "reads": reads,
         "trusted_reads": trusted_reads,
         "still_mapped": still_mapped,
     }
+
+
+def _pages_present(t: Any) -> tuple[int, int]:
+    """How many of the pages under ``t``'s bytes are in this process's memory (the present bit
+    of ``/proc/self/pagemap``; a page of a mapped file counts once it is read), and how many
+    pages they are."""
+    page = mmap.PAGESIZE
+    first = t.data_ptr() // page
+    last = (t.data_ptr() + t.numel() * t.element_size() - 1) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        raw = f.read((last - first + 1) * 8)
+    return sum(e >> 63 for e in struct.unpack(f"{len(raw) // 8}Q", raw)), last - first + 1
+
+
+@contextlib.contextmanager
+def _watching_saved_masters(rank: int) -> Iterator[list[tuple[int, int, int]]]:
+    """During a checkpoint load: at each swapped sub-group written back to its swap file,
+    ``(pages of its own saved master present, pages of the saved masters of the sub-groups not
+    yet written back present, their pages)``, the saved masters being those of this rank's
+    mapped optimizer file (the load itself runs unchanged)."""
+    import torch
+
+    from nvmeswap import swapper
+
+    seen: list[tuple[int, int, int]] = []
+    loaded: list[Any] = []
+    real_load, real_swap_out = torch.load, swapper.swap_out
+
+    def load(f: Any, *args: Any, **kwargs: Any) -> Any:
+        name = os.readlink(f"/proc/self/fd/{f.fileno()}") if hasattr(f, "fileno") else str(f)
+        out = real_load(f, *args, **kwargs)
+        if f"zero_pp_rank_{rank}_mp_rank" in name and name.endswith("optim_states.pt"):
+            loaded.append(list(out["optimizer_state_dict"]["fp32_flat_groups"]))
+        return out
+
+    def swap_out(state: Any, index: int, *args: Any, **kwargs: Any) -> None:
+        if loaded:
+            saved = loaded[-1]
+            later = state.order[state.order.index(index) + 1 :]
+            seen.append(
+                (
+                    _pages_present(saved[index])[0],
+                    sum(_pages_present(saved[j])[0] for j in later),
+                    sum(_pages_present(saved[j])[1] for j in later),
+                )
+            )
+        real_swap_out(state, index, *args, **kwargs)
+
+    torch.load, swapper.swap_out = load, swap_out  # type: ignore[assignment]
+    try:
+        yield seen
+    finally:
+        torch.load, swapper.swap_out = real_load, real_swap_out  # type: ignore[assignment]
 
 
 @contextlib.contextmanager

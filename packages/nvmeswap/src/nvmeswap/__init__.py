@@ -9,10 +9,12 @@ from nvmeswap.__about__ import __version__
 from nvmeswap.config import NvmeSwapConfig
 from nvmeswap.folder import SwapFolderInUseError
 from nvmeswap.io import SwapIOError
+from nvmeswap.memory import NotEnoughMemoryError
 from nvmeswap.plugin import NvmeSwapPlugin
 from nvmeswap.swapfile import SwapCorruptionError, SwapSpaceError
 
 __all__ = [
+    "NotEnoughMemoryError",
     "NvmeSwapConfig",
     "NvmeSwapPlugin",
     "SwapCorruptionError",

@@ -13,15 +13,19 @@ RAM that made swapping necessary.  Instead:
   tensors are views of one storage holding its swap file (header included).
 * load: DeepSpeed's ``torch.load`` of the optimizer file is made with ``mmap=True`` (the
   checkpoint's pages are mapped, not read into RAM; asked for with
-  :func:`zerohooks.adapter.seams.read_checkpoints_mapped`, which keeps the weights-only read); each swapped master tensor takes the saved
-  tensor itself as its data (DeepSpeed's copy into it is then a no-op, and the 16-bit weights are
-  restored from it), the moments are the mapped saved tensors torch's ``load_state_dict`` keeps,
-  and then, one sub-group at a time, :func:`nvmeswap.swapper.swap_out` copies them into a swap
-  buffer and writes the swap file (new checksum and generation); the copy done, the pages of
-  the checkpoint that held the sub-group are dropped from the process (:func:`drop_pages`:
-  ``madvise(MADV_DONTNEED)`` on the private mapping; clean file pages, read again from the file
-  if anything touches them), so the mapped pages do not pile up in the process's memory while
-  the sub-groups are written back.
+  :func:`zerohooks.adapter.seams.read_checkpoints_mapped`, which keeps the weights-only read); the
+  moments are the mapped saved tensors torch's ``load_state_dict`` keeps.  DeepSpeed's own restore
+  (every saved master copied into its fp32 partition, then every fp32 partition into its 16-bit
+  one) is shown the swapped sub-groups' masters and saved masters empty, so it passes them by and
+  touches none of the mapped masters; then, one sub-group at a time, the saved master becomes the
+  sub-group's master, its 16-bit partition is written from it, and
+  :func:`nvmeswap.swapper.swap_out` copies master and moments into a swap buffer and writes the
+  swap file (new checksum and generation); the copy done, the pages of the checkpoint that held
+  the sub-group are dropped from the process (:func:`drop_pages`: ``madvise(MADV_DONTNEED)`` on
+  the private mapping; clean file pages, read again from the file if anything touches them), so
+  at most one sub-group's pages of the mapped checkpoint are in the process's memory at a time.
+  ``load_optimizer_states=False`` goes the same way, each sub-group read from its swap file (its
+  moments kept) instead of its moments taken from the checkpoint.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from nvmeswap import swapper
 from nvmeswap.swapper import SwapState
 from zerohooks.adapter import statestore
 
-__all__ = ["drop_pages", "mapped", "resident", "streamed_load", "streamed_refresh", "streamed_save"]
+__all__ = ["drop_pages", "mapped", "streamed_load", "streamed_refresh", "streamed_save"]
 
 _MADV_DONTNEED = 4
 """Linux's ``MADV_DONTNEED`` (the same number on every Linux architecture)."""
@@ -84,42 +88,6 @@ def drop_pages(t: torch.Tensor) -> int:
     if end <= start or _libc.madvise(ctypes.c_void_p(start), end - start, _MADV_DONTNEED) != 0:
         return 0
     return end - start
-
-
-def ensure_slots(state: SwapState) -> None:
-    """Enough buffers for every sub-group to be resident at once."""
-    while len(state.slots) < len(state.order):
-        state.slots.append(swapper.Slot(state.capacity, state.make_engine()))
-
-
-def trim_slots(state: SwapState) -> None:
-    """Back to the buffers kept between steps (``buffer_count`` and ``prefetch_bytes``'s)."""
-    swapper.flush(state)
-    del state.slots[state.pool :]
-
-
-def resident(state: SwapState, original: Callable[..., Any]) -> Callable[..., Any]:
-    """``original`` run with every sub-group in RAM (12 bytes a parameter; re-entrant): for
-    DeepSpeed's refresh of the masters from the 16-bit weights, and a load without optimizer
-    states."""
-
-    @functools.wraps(original)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if state.depth:
-            return original(*args, **kwargs)
-        state.depth += 1
-        ensure_slots(state)
-        for i in state.order:
-            swapper.swap_in(state, i, prefetch=False)
-        try:
-            return original(*args, **kwargs)
-        finally:
-            for i in state.order:
-                swapper.swap_out(state, i)
-            trim_slots(state)
-            state.depth -= 1
-
-    return run
 
 
 def streamed_refresh(state: SwapState, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -227,35 +195,59 @@ def streamed_load(state: SwapState, engine: Any, original: Callable[..., Any]) -
         return functools.partial(rigid_load, rigid)
 
     def rigid_load(rigid: Callable[..., Any], state_dict: Any, load_optimizer_states: bool = True) -> Any:
-        if not load_optimizer_states:  # the moments stay as they are: everything resident meanwhile
-            return resident(state, rigid)(state_dict, load_optimizer_states)
-        if not state.keep_master:  # DeepSpeed's copy into the master is then a no-op
-            saved = state_dict["fp32_flat_groups"]
-            for i in state.order:
-                statestore.set_master(state.groups[i].master, saved[i].data)
+        if state.keep_master and not load_optimizer_states:  # masters in RAM, moments left as they are
+            return rigid(state_dict, load_optimizer_states)
+        # DeepSpeed's own loops copy every saved master into its fp32 partition, then every fp32
+        # partition into its 16-bit one: for a mapped checkpoint that touches all the saved masters
+        # (4 bytes a parameter) before the first sub-group is written back.  It is shown the
+        # swapped sub-groups' masters and saved masters empty, so both loops pass them by, and each
+        # is restored here, one sub-group at a time, its checkpoint pages dropped once written.
+        saved = state_dict["fp32_flat_groups"]
+        hidden = not state.keep_master
+        if hidden:
+            state_dict["fp32_flat_groups"] = [
+                swapper.EMPTY if i in state.groups else t for i, t in enumerate(saved)
+            ]
         try:
             out = rigid(state_dict, load_optimizer_states)
             files = file_mappings()
-            for i in state.order:  # each sub-group through a swap buffer to its file
-                g = state.groups[i]
-                # the moments loaded (g.keys is not known yet on an engine that never stepped)
-                loaded = opt.optimizer.state.get(g.master, {})
-                # (``.data``: aliases of the mapped storage, which swap_out empties the tensors of)
-                held = [
-                    v.data for v in loaded.values() if isinstance(v, torch.Tensor) and v.numel() == g.numel
-                ]
-                if not state.keep_master:
-                    held.append(g.master.data)
-                mapped_views = [t for t in held if _inside(t, files)]
-                swapper.swap_out(state, i)  # copied into the buffer: the mapped pages are done
-                for t in mapped_views:
-                    state.pages_dropped += drop_pages(t)
+            for i in state.order:
+                _write_back(i, saved[i] if hidden else None, load_optimizer_states, files)
             swapper.flush(state)
             _own_the_rest(opt)
             return out
         except BaseException:
             _empty_all(state)
             raise
+        finally:
+            state_dict["fp32_flat_groups"] = saved
+
+    def _write_back(
+        i: int, saved: torch.Tensor | None, with_moments: bool, files: list[tuple[int, int]]
+    ) -> None:
+        """Sub-group ``i`` through a swap buffer to its file: its master from ``saved`` (unless
+        kept in RAM), its moments the loaded ones (``with_moments``) or its own; its 16-bit
+        partition from the master; then the checkpoint's pages that held it dropped."""
+        g = state.groups[i]
+        held: list[torch.Tensor] = []
+        if with_moments:
+            # the moments loaded (g.keys is not known yet on an engine that never stepped)
+            # (``.data``: aliases of the mapped storage, which swap_out empties the tensors of)
+            loaded = opt.optimizer.state.get(g.master, {})
+            held += [v.data for v in loaded.values() if isinstance(v, torch.Tensor) and v.numel() == g.numel]
+        else:
+            swapper.swap_in(state, i)  # the moments stay as they are (reads the next one ahead)
+        if saved is not None:
+            held.append(saved.data)
+            if with_moments:  # the saved tensor itself becomes the master until it is written
+                statestore.set_master(g.master, saved.data)
+            else:
+                g.master.data.copy_(saved.data)
+            statestore.bit16_from_master(opt, i)
+        swapper.swap_out(state, i)  # copied into the buffer: the mapped pages are done
+        for t in held:
+            if _inside(t, files):
+                state.pages_dropped += drop_pages(t)
 
     @functools.wraps(original)
     def load(*args: Any, **kwargs: Any) -> Any:

@@ -27,9 +27,10 @@ import torch
 from typing_extensions import override
 
 import zerohooks
-from nvmeswap import adam, checkpoint, early, fused, io, swapper
+from nvmeswap import adam, checkpoint, early, fused, io, memory, swapper
 from nvmeswap.config import NvmeSwapConfig, check_deepspeed_features, rewrite_offload
 from nvmeswap.folder import FolderClaim, prepare
+from nvmeswap.memory import NotEnoughMemoryError
 from nvmeswap.swapfile import SwapCorruptionError
 from nvmeswap.swapper import SwapState
 from zerohooks import ConfigError, PluginConfig, SetupContext, StepContext, ZeroPlugin
@@ -144,6 +145,25 @@ class NvmeSwapPlugin(ZeroPlugin):
 
         self._atexit = cleanup
         atexit.register(cleanup)
+
+    @override
+    def check_detach(self) -> None:
+        """Detaching brings every swapped sub-group back into RAM (DeepSpeed's optimizer holds its
+        state there): refused, before anything changes, when that is more than this process can
+        take now (the machine's available memory, or its memory cgroup's headroom)."""
+        state = self.state
+        if state is None:
+            return
+        need, avail = swapper.restore_bytes(state), memory.available_bytes()
+        if avail is not None and need > avail:
+            raise NotEnoughMemoryError(
+                f"nvmeswap: detaching brings the swapped optimizer state back into RAM, {need} bytes "
+                f"({len(state.groups)} sub-groups: fp32 {'moments' if state.keep_master else 'master and moments'}), "
+                f"more than the {avail} this process can take now (MemAvailable, or its memory cgroup's "
+                "limit less its use); nothing was changed and nvmeswap stays attached. To leave nvmeswap, "
+                "save a checkpoint (streamed from the swap files) and load it into an engine built without "
+                "it on a machine with the RAM, or keep training with it"
+            )
 
     @override
     def close(self) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from nvmeswap import io
+from nvmeswap.memory import meminfo
 from nvmeswap.swapfile import (
     HEADER,
     SwapCorruptionError,
@@ -213,17 +214,6 @@ class SwapState:
         return self.regions * self.region_bytes(g)
 
 
-def _meminfo(key: str) -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _prefetch_slots(prefetch_bytes: int, capacity: int, count: int) -> int:
     """The buffers ``prefetch_bytes`` of RAM holds (at most one per swapped sub-group)."""
     if prefetch_bytes and prefetch_bytes < capacity:
@@ -250,7 +240,7 @@ def _check_buffer_memory(count: int, capacity: int, biggest: int, prefetch: int 
     fix = "lower zero_optimization.sub_group_size (e.g. 50000000: 0.6 GB a buffer) or nvmeswap.buffer_count"
     if prefetch:
         fix += " or nvmeswap.prefetch_bytes"
-    total, avail = _meminfo("MemTotal"), _meminfo("MemAvailable")
+    total, avail = meminfo("MemTotal"), meminfo("MemAvailable")
     if total is not None and need > total:
         from zerohooks import ConfigError
 
@@ -568,6 +558,13 @@ def close(state: SwapState, restore: bool) -> None:
     if restore:
         _restore(state)
     remove_folder(state.folder)
+
+
+def restore_bytes(state: SwapState) -> int:
+    """The RAM :func:`close` with ``restore`` takes: every swapped sub-group's moments, and its
+    master unless kept in RAM already (fp32)."""
+    per = state.state_slots + (0 if state.keep_master else 1)
+    return sum(per * 4 * g.numel for g in state.groups.values())
 
 
 def _restore(state: SwapState) -> None:

@@ -206,6 +206,11 @@ class ZeroPlugin:
     def engine_ready(self, engine: Any, registry: HookRegistry) -> None:
         """The engine exists and the adapter is attached: allocate buffers, read partitions."""
 
+    def check_detach(self) -> None:
+        """``zerohooks.detach`` is about to undo everything: raise to refuse it (with an error
+        saying why and what to do instead), and the engine stays exactly as it is, every plugin
+        attached.  Called on every plugin before any is closed.  The default accepts."""
+
     def close(self) -> None:
         """The engine is being detached: release resources (files, buffers, threads)."""
 

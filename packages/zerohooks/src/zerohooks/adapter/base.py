@@ -104,7 +104,10 @@ class Attachment:
         self._handles.append(handle)
 
     def detach(self) -> None:
-        """Undo every patch and hook, newest first, and close the plugins."""
+        """Undo every patch and hook, newest first, and close the plugins; a plugin that refuses
+        (:meth:`ZeroPlugin.check_detach` raises) leaves everything as it was."""
+        for p in self.plugins:
+            p.check_detach()
         for h in reversed(self._handles):
             h.remove()
         self._handles.clear()
