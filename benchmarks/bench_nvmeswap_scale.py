@@ -655,6 +655,7 @@ def main() -> None:
                 print("== resume: load, steps 3-4", flush=True)
                 ld = _launch("nvmeswap", "load", a, argv)
                 shutil.rmtree(os.path.join(a.folder, "nvmeswap"), ignore_errors=True)
+                shutil.rmtree(os.path.join(a.folder, "ckpt"), ignore_errors=True)  # the next run's disk
                 want = [x["loss"] for x in full.get("steps", []) if x["step"] in (3, 4)]
                 got = [x["loss"] for x in ld.get("steps", [])]
                 payload["resume"] = {

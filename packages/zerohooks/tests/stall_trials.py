@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib
 import json
 import os
 import random
@@ -30,8 +31,12 @@ import torch._dynamo  # (a torch optimizer imports it: once here, not in each tr
 import zerohooks
 from zerohooks import stepwatch, watchdog
 from zerohooks.adapter.compat import skip_deepspeed_shm_op
+from zerohooks.adapter.surface import OPTIMIZER_CHECK_MODULE
 from zerohooks.errors import CollectiveTimeoutError
 from zerohooks.testing.toy import ds_config, make_model, train
+
+with contextlib.suppress(ImportError):  # every ZeRO engine's optimizer check imports it (and torch._inductor)
+    importlib.import_module(OPTIMIZER_CHECK_MODULE)
 
 
 def _rank(rank: int, port: int, stage: int, limit: float, out: str) -> None:

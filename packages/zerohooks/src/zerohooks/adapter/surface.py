@@ -120,6 +120,11 @@ def _entries(
 make_entries = _entries
 """Build a seam's :class:`Internal` entries (for :func:`declare_seam`)."""
 
+OPTIMIZER_CHECK_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+"""The module DeepSpeed's ZeRO optimizer check (``is_zero_supported_optimizer``, run by every ZeRO
+engine) imports; it calls ``torch.compile`` at import, which imports torch._inductor.  Not a seam:
+the multi-rank test harness imports it once in its fork server (:mod:`zerohooks.testing`)."""
+
 PARAM = "torch.nn.Parameter (DeepSpeed's attributes)"
 """The owner of the attributes DeepSpeed sets on parameters (``ds_*`` of ZeRO 3, ``comm_dtype``)."""
 BACKEND = "deepspeed.comm.torch.TorchBackend"

@@ -52,7 +52,12 @@ _PRELOAD = ["torch", "deepspeed", "torch._dynamo"]
 """What the fork server imports once for every rank it forks (nothing of ours: each rank
 imports zerohooks and the plugins itself, under the caller's environment).  torch._dynamo is
 not imported by ``import torch`` but by the first torch optimizer a rank builds (about 1,400
-modules: 3 s a rank on the loaded 2-core machine with bytecode cached, 30 s without)."""
+modules: 3 s a rank on the loaded 2-core machine with bytecode cached, 30 s without).  Then
+the module every ZeRO engine's optimizer check imports
+(:data:`zerohooks.adapter.surface.OPTIMIZER_CHECK_MODULE`), which imports torch._inductor
+(about 180 modules: 1.6 s of CPU a rank with bytecode cached, 4.3 s without); a DeepSpeed
+release without it is passed by (the fork server ignores a preload that fails to import).
+Neither starts a thread (the fork server must fork a single-threaded process)."""
 _forkserver: Any = None
 
 
@@ -139,7 +144,9 @@ def _context(method: str) -> Any:
         return mp.get_context("spawn")
     if _forkserver is None:
         _forkserver = mp.get_context("forkserver")
-        _forkserver.set_forkserver_preload(_PRELOAD)
+        from zerohooks.adapter.surface import OPTIMIZER_CHECK_MODULE
+
+        _forkserver.set_forkserver_preload([*_PRELOAD, OPTIMIZER_CHECK_MODULE])
     return _forkserver
 
 
