@@ -166,7 +166,7 @@ def _step_one(es: EarlyState, index: int) -> None:
         following = es.queue[0] if es.queue else -1
     if following >= 0:
         swapper.read_next(state, following)
-    if es.fuse and fused.refusal(opt.optimizer, opt) is None:
+    if fused.usable(es.fuse, opt):
         swapper.sync_gradients(state)
         assert es.spec_factor is not None
         fused.step(state, index, opt.optimizer, statestore.param_group(opt, index), es.spec_factor)

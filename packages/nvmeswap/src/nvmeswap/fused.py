@@ -19,9 +19,15 @@ from nvmeswap import adam
 from nvmeswap.swapper import SwapState
 from zerohooks.adapter import seams
 
-__all__ = ["refusal", "step"]
+__all__ = ["refusal", "step", "usable"]
 
 _FLAGS_OFF = ("amsgrad", "maximize", "capturable", "differentiable", "foreach", "fused")
+
+
+def usable(fuse: bool, zero: Any) -> bool:
+    """Whether this step of DeepSpeed's ZeRO-3 optimizer ``zero`` takes the fused path: chosen at
+    attach (``fuse``) and still possible now (a step hook registered since refuses it)."""
+    return fuse and refusal(zero.optimizer, zero) is None
 
 
 def refusal(optimizer: Any, zero: Any = None) -> str | None:

@@ -251,7 +251,7 @@ def _install(att: Any, opt: Any, state: SwapState, fuse: bool, es: early.EarlySt
             if took(i):
                 return
         swapper.swap_in(state, i)
-        if fuse and fused.refusal(opt.optimizer, opt) is None:
+        if fused.usable(fuse, opt):
             state.fused.add(i)  # the gradient is read by the fused step itself
             swapper.sync_gradients(state)
         else:
