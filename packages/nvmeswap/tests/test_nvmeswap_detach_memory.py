@@ -1,6 +1,6 @@
 """Detaching brings the swapped state back into RAM: refused, with nothing changed, when this
 process cannot take it (issue 37).  The limit is real: the rank runs in a cgroup-v1 memory cgroup
-whose limit is half of what the detach needs; the oracle for "nothing changed" is DeepSpeed's CPU
+whose limit is 1 MiB less than what the detach needs; the oracle for "nothing changed" is DeepSpeed's CPU
 offload of the same run, equal bit for bit after training on and detaching once there is room."""
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def _detach_in_a_small_cgroup(tmp: str, parent: str) -> dict[str, Any]:
     child.mkdir()
     error = ""
     try:
-        (child / "memory.limit_in_bytes").write_text(str(need // 2))
+        # less than the need by 1 MiB: refused, with room left for Python meanwhile
+        (child / "memory.limit_in_bytes").write_text(str(need - MIB))
         (child / "cgroup.procs").write_text(str(os.getpid()))  # new charges go to the child
         try:
             zerohooks.detach(eng)
@@ -83,7 +84,8 @@ def _detach_in_a_small_cgroup(tmp: str, parent: str) -> dict[str, Any]:
         "files_kept": swap_files(folder) == files_before and bool(files_before),
     }
     out["losses"] = train(eng, 1, first=1)
-    zerohooks.detach(eng)  # there is room now
+    if zerohooks.attachment(eng) is not None:  # (not refused: the assertions below say so)
+        zerohooks.detach(eng)  # there is room now
     ours = masters(eng) + moments(eng)
     oracle = _build(_oracle_config(f"{tmp}/oracle"), plugins=False)
     out["oracle_losses"] = train(oracle, 2)[2:]
@@ -103,8 +105,8 @@ def test_detach_without_the_memory_is_refused_and_changes_nothing(tmp_path: Path
     finally:  # a rank killed inside the small cgroup leaves it behind, empty
         for left in parent.glob("nvmeswap_detach_*"):
             left.rmdir()
-    assert r["need"] > 0
-    assert r["error"], "detach was not refused under a limit of half what it needs"
+    assert r["need"] > 4 * MIB
+    assert r["error"], "detach was not refused under a limit below what it needs"
     assert str(r["need"]) in r["error"] and "nothing was changed" in r["error"], r["error"]
     assert r["still_attached"] and r["files_kept"]
     # it trained on as if nothing had happened, then detached: DeepSpeed's CPU offload's state

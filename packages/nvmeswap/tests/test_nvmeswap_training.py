@@ -18,6 +18,9 @@ from _nvme_common import SUB_GROUP
 from nvmeswap.swapfile import HEADER, segment_bytes
 
 pytestmark = pytest.mark.multirank
+FAULT_AROUND_PAGES = 16
+"""Linux maps up to ``fault_around_bytes`` (64 KiB by default) of cached file pages around a
+read fault: the most of a later saved master a load may map while reading the one before it."""
 
 
 def _expected_step_bytes(numels: list[int], segments: int) -> int:
@@ -141,10 +144,13 @@ def test_load_touches_one_saved_master_at_a_time(two_ranks: list[dict[str, Any]]
     for r in two_ranks:
         seen = r["checkpoint"]["written_back"]
         assert len(seen) >= 2, seen  # several swapped sub-groups per rank
-        for own, later_present, _later_pages in seen:
+        for own, later_present, later_pages in seen:
             assert own > 0, seen  # the sub-group's own saved master was read: the measure sees it
-            assert later_present == 0, f"saved masters read before their sub-group's turn: {seen}"
-        assert seen[0][2] > 0, seen
+            # at most the kernel's fault-around (pages already cached next to a faulting one are
+            # mapped with it: 16 pages by default) of the next saved master, which follows in the
+            # file; read before their turn, they would be all (the old load: 298 of 296)
+            assert later_present <= min(FAULT_AROUND_PAGES, later_pages), f"saved masters read early: {seen}"
+        assert seen[0][2] > 2 * FAULT_AROUND_PAGES, seen  # the measure can tell the two apart
 
 
 def test_load_without_optimizer_states_equals_deepspeeds_and_streams(two_ranks: list[dict[str, Any]]) -> None:
