@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_nvmeswap_scale.py"
+EXTRA_READ = 0.25
+"""Bytes a parameter the process may read beyond the swap files in a step (files it imports)."""
 
 
 @pytest.mark.skipif(not BENCH.exists(), reason="needs the repository's benchmarks/ folder")
@@ -31,12 +33,15 @@ def test_small_scale_run_moves_twelve_bytes_per_parameter(tmp_path: Path) -> Non
     assert 80e6 < run["params"] < 90e6  # ~1 GB of fp32 optimizer state
     steps = run["steps"]
     assert [s["step"] for s in steps] == [1, 2, 3]
-    # step 1 reads the masters only (the moments do not exist yet): 4 bytes; writes all 12
-    assert steps[0]["read_per_param"] == pytest.approx(4.0, abs=0.02)
+    # step 1 reads the masters only (the moments do not exist yet): 4 bytes; writes all 12.
+    # /proc/self/io counts every read of the process: a library or bytecode file read from disk
+    # the first time something is imported in a step adds a little (0.18 B/param once in a CI
+    # run); a gradient written and read back would add 2-4 B/param
+    assert 4.0 - 0.02 <= steps[0]["read_per_param"] <= 4.0 + EXTRA_READ, steps[0]
     for s in steps:
         assert s["write_per_param"] == pytest.approx(12.0, abs=0.02), s
     for s in steps[1:]:
-        assert s["read_per_param"] == pytest.approx(12.0, abs=0.02), s
+        assert 12.0 - 0.02 <= s["read_per_param"] <= 12.0 + EXTRA_READ, s
     losses = [s["loss"] for s in steps]
     assert losses[0] > losses[1] > losses[2]
     assert sorted(os.listdir(folder)) == [], "swap files left behind"
@@ -63,5 +68,5 @@ def test_small_scale_overlap_run_is_bit_identical(tmp_path: Path) -> None:
     assert payload["derived"]["nvmeswap_overlap losses and step-4 weights bit-identical to nvmeswap"] is True
     assert on["steps"][-1]["prefetch_hits"] >= 1 and off["steps"][-1]["prefetch_hits"] == 0
     for a, b in zip(on["steps"], off["steps"], strict=True):
-        assert a["read_per_param"] == pytest.approx(b["read_per_param"], abs=0.02)
+        assert a["read_per_param"] == pytest.approx(b["read_per_param"], abs=EXTRA_READ)  # (a re-read: 12)
         assert "disk_busy_s" in a
