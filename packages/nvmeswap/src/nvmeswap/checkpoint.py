@@ -94,11 +94,11 @@ def streamed_refresh(state: SwapState, original: Callable[..., Any]) -> Callable
     """``original`` (DeepSpeed's refresh of every fp32 master from the 16-bit weights: a
     module-only load, ``refresh_fp32_params``) done one swapped sub-group at a time through the
     swap buffers (read, refreshed, written back), never with the whole state in RAM; with the
-    masters kept in RAM, or inside :func:`resident`, DeepSpeed's own."""
+    masters kept in RAM, DeepSpeed's own."""
 
     @functools.wraps(original)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if state.depth or state.keep_master:
+        if state.keep_master:
             return original(*args, **kwargs)
         if state.resident:
             raise RuntimeError(

@@ -57,12 +57,9 @@ def cgroup_headroom(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs
         lines = Path(proc_cgroup).read_text().splitlines()
     except OSError:
         return None
-    v1 = [
-        rel
-        for _, ctl, rel in (ln.split(":", 2) for ln in lines if ln.count(":") >= 2)
-        if "memory" in ctl.split(",")
-    ]
-    v2 = [rel for _, ctl, rel in (ln.split(":", 2) for ln in lines if ln.count(":") >= 2) if ctl == ""]
+    entries = [ln.split(":", 2) for ln in lines if ln.count(":") >= 2]  # id:controllers:path
+    v1 = [rel for _, ctl, rel in entries if "memory" in ctl.split(",")]
+    v2 = [rel for _, ctl, rel in entries if ctl == ""]
     if v1:
         base = Path(root, "memory", v1[0].strip("/"))
         limit, usage = _read_int(base / "memory.limit_in_bytes"), _read_int(base / "memory.usage_in_bytes")

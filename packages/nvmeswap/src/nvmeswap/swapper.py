@@ -103,7 +103,6 @@ class SwapState:
         "bytes_written",
         "capacity",
         "clock",
-        "depth",
         "folder",
         "fused",
         "fused_steps",
@@ -174,8 +173,6 @@ class SwapState:
         _check_buffer_memory(self.pool, self.capacity, biggest, self.prefetch_slots)
         self.slots = [Slot(self.capacity, make_engine()) for _ in range(self.pool)]
         self.clock = 0
-        self.depth = 0
-        """Nesting of calls that make every sub-group resident (checkpoint.resident)."""
         self.scratch = EMPTY
         """The fp32 gradient of the sub-group being stepped (one buffer, reused; made on first use,
         never when every step is fused)."""
