@@ -365,6 +365,12 @@ def scenario_checkpoint(tmp: str) -> dict[str, Any]:
     }
 
 
+def _loaded_name(f: Any) -> str:
+    """The file ``torch.load`` is given: a path, or an open file (zerohooks reads the open file it
+    checked), named by what it is open on."""
+    return os.readlink(f"/proc/self/fd/{f.fileno()}") if hasattr(f, "fileno") else str(f)
+
+
 def _pages_present(t: Any) -> tuple[int, int]:
     """How many of the pages under ``t``'s bytes are in this process's memory (the present bit
     of ``/proc/self/pagemap``; a page of a mapped file counts once it is read), and how many
@@ -393,7 +399,7 @@ def _watching_saved_masters(rank: int) -> Iterator[list[tuple[int, int, int]]]:
     real_load, real_swap_out = torch.load, swapper.swap_out
 
     def load(f: Any, *args: Any, **kwargs: Any) -> Any:
-        name = os.readlink(f"/proc/self/fd/{f.fileno()}") if hasattr(f, "fileno") else str(f)
+        name = _loaded_name(f)
         out = real_load(f, *args, **kwargs)
         if f"zero_pp_rank_{rank}_mp_rank" in name and name.endswith("optim_states.pt"):
             loaded.append(list(out["optimizer_state_dict"]["fp32_flat_groups"]))
@@ -429,8 +435,7 @@ def _recording_loads() -> Iterator[list[tuple[str, bool, bool]]]:
     real = torch.load
 
     def load(f: Any, *args: Any, **kwargs: Any) -> Any:
-        # a file object (zerohooks reads the open file it checked): the file it is open on
-        name = os.readlink(f"/proc/self/fd/{f.fileno()}") if hasattr(f, "fileno") else str(f)
+        name = _loaded_name(f)
         calls.append((os.path.basename(name), bool(kwargs.get("weights_only")), bool(kwargs.get("mmap"))))
         return real(f, *args, **kwargs)
 
