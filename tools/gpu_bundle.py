@@ -160,7 +160,12 @@ def _deepspeed(version: str, cache: Path) -> Path:
     if not hits:
         env = dict(os.environ, DS_BUILD_OPS="0")
         pip = _pip()
-        cmd = [*pip, "wheel", "-q", "--no-deps", *(["--no-build-isolation"] if _has_torch(pip) else [])]
+        isolated = not _has_torch(pip)
+        if not isolated:
+            # pip >= 26.3 refuses build constraints (which nox sets) without build isolation, and
+            # without isolation there is no build environment for them to constrain
+            env.pop("PIP_BUILD_CONSTRAINT", None)
+        cmd = [*pip, "wheel", "-q", "--no-deps", *([] if isolated else ["--no-build-isolation"])]
         _run([*cmd, f"deepspeed=={version}", "-w", str(cache)], env=env)
         hits = list(cache.glob(f"deepspeed-{version}-*.whl"))
     if len(hits) != 1 or not hits[0].name.endswith("py3-none-any.whl"):

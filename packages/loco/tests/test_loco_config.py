@@ -103,3 +103,39 @@ def test_plain_deepspeed_refuses_them_on_zero3_in_its_own_words() -> None:
     rows = run_distributed(_plain_deepspeed, 1, timeout=300)[0]
     for (plain, ours), (_, words) in zip(rows, _PLAIN, strict=True):
         assert plain == ours and plain.startswith("AssertionError") and words in plain, plain
+
+
+def _sequence_parallel_by_mpu() -> list[str]:
+    """loco on ZeRO 2 and 3 with DeepSpeed's Ulysses mpu but without the config key (what
+    DeepSpeed reads sequence parallelism from): each build's outcome."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    parallel_state_sp.initialize_sequence_parallel(2)
+    out = []
+    for stage in (2, 3):
+        model = make_model()
+        try:
+            zerohooks.initialize(
+                model=model,
+                model_parameters=model.parameters(),
+                config=ds_config(stage, "bf16", sections={"loco": {}}),
+                mpu=parallel_state_sp,
+            )
+            out.append("built")
+        except ConfigError as e:
+            out.append(str(e))
+    return out
+
+
+@pytest.mark.multirank
+def test_sequence_parallel_mpu_without_the_key_is_refused_on_zero2_and_zero3() -> None:
+    """``sequence_parallel_size`` is refused before DeepSpeed builds; an engine made sequence
+    parallel by its mpu alone is refused once built, on ZeRO 2 and 3 alike (loco averages over
+    the whole data-parallel group and does not span DeepSpeed's sequence-parallel groups)."""
+    from zerohooks.testing import run_distributed
+
+    for outcome in run_distributed(_sequence_parallel_by_mpu, 2, timeout=300):
+        assert len(outcome) == 2
+        for message in outcome:
+            assert "'loco' owns the gradient collective" in message, outcome
+            assert "sequence parallelism" in message, outcome

@@ -98,3 +98,72 @@ def test_universal_load_tells_providers_or_refuses(tmp_path: Any) -> None:
         assert message is not None, "a provider without load_universal was loaded from a universal checkpoint"
         for part in ("['counting']", "universal checkpoint", "load a regular checkpoint"):
             assert part in message, (part, message)
+
+
+SUB_GROUP = 1000
+"""``zero_optimization.sub_group_size`` for the ZeRO-3 test: the toy model's 3.8 k parameters
+fall into several sub-groups (DeepSpeed's default, 1e9, gives one)."""
+
+
+def _zero3(load_universal: bool, through_zerohooks: bool) -> Any:
+    import deepspeed
+
+    extra = {"checkpoint": {"load_universal": True}} if load_universal else {}
+    cfg = ds_config(
+        3,
+        "bf16",
+        optimizer={"type": "AdamW", "params": {"lr": 0.5, "eps": 1.0, "torch_adam": True}},
+        zero_optimization={"stage": 3, "sub_group_size": SUB_GROUP},
+        **extra,
+    )
+    model = make_model()
+    init = zerohooks.initialize if through_zerohooks else deepspeed.initialize
+    engine, *_ = init(model=model, model_parameters=list(model.parameters()), config=cfg)
+    return engine
+
+
+def _steps(engine: Any) -> list[Any]:
+    opt = engine.optimizer
+    return [opt.optimizer.state[m]["step"] for m in opt.fp32_partitioned_groups_flat]
+
+
+def _run_zero3(tmp: str) -> dict[str, Any]:
+    rank = dist.get_rank()
+    engine = _zero3(False, True)
+    train(engine, SAVED, GAS)
+    engine.save_checkpoint(tmp, tag="t")
+    out: dict[str, Any] = {"continued": train(engine, 2, GAS, first=SAVED)}
+    if rank == 0:
+        to_universal(tmp, "t")
+    dist.barrier()
+    for name, ours in (("deepspeed", False), ("zerohooks", True)):
+        engine = _zero3(True, ours)
+        engine.load_checkpoint(os.path.join(tmp, "universal"))
+        steps = _steps(engine)
+        out[name] = {
+            "sub_groups": len(steps),
+            "distinct": len({id(s) for s in steps}),
+            "steps": [float(s) for s in steps],
+            "resumed": train(engine, 2, GAS, first=SAVED),
+        }
+        if ours:
+            zerohooks.detach(engine)
+    return out
+
+
+@pytest.mark.multirank
+def test_zero3_universal_load_gives_each_sub_group_its_own_step(tmp_path: Any) -> None:
+    """DeepSpeed 0.19.8's ZeRO-3 universal load puts one ``step`` tensor into every sub-group's
+    state; torch's AdamW increments it once per sub-group, so the second resumed step leaves the
+    uninterrupted run.  The oracle is the uninterrupted run: an engine built by zerohooks (no
+    plugin) resumes it exactly; plain DeepSpeed, loading the same folder, is shown to share the
+    counter and to drift (if a DeepSpeed release mends it, the second half says so and can go)."""
+    for rank in run_distributed(_run_zero3, 2, args=(str(tmp_path),)):
+        ours, theirs = rank["zerohooks"], rank["deepspeed"]
+        assert ours["sub_groups"] > 1, ours  # the case that matters: several sub-groups
+        assert ours["distinct"] == ours["sub_groups"], ours
+        assert ours["steps"] == [float(SAVED)] * ours["sub_groups"], ours
+        assert ours["resumed"] == rank["continued"], (ours, rank["continued"])
+        assert theirs["distinct"] == 1, f"DeepSpeed no longer shares the step counter: {theirs}"
+        assert theirs["resumed"][:GAS] == rank["continued"][:GAS], theirs
+        assert theirs["resumed"] != rank["continued"], theirs

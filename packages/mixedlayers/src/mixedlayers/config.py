@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import pydantic
@@ -121,27 +121,35 @@ def _close(word: str, candidates: list[str]) -> str:
     return ", ".join(repr(c) for c in close)
 
 
-def select_modules(model: nn.Module, cfg: MixedLayersConfig) -> dict[str, nn.Module]:
+def select_modules(
+    model: nn.Module, cfg: MixedLayersConfig, anywhere: Callable[[list[bool]], list[bool]] | None = None
+) -> dict[str, nn.Module]:
     """The modules to keep in fp32, by qualified name, in ``named_modules`` order.
 
     A glob or class name that matches nothing raises :class:`~zerohooks.ConfigError` listing
-    close module names (or class names).
+    close module names (or class names).  ``anywhere`` (a pipeline, whose stages each hold some
+    of the layers): given whether each glob, then each class name, matched here, whether it
+    matched on any stage; only what matches on no stage is an error (on every rank alike).
     """
     named = list(model.named_modules())
     names = [n for n, _ in named]
+    local = [any(fnmatch.fnmatchcase(n, g) for n in names) for g in cfg.fp32_modules] + [
+        any(_type_matches(m, t, _resolve_type(t)) for _, m in named) for t in cfg.fp32_module_types
+    ]
+    matched = anywhere(local) if anywhere is not None else local
     chosen: set[str] = set()
-    for glob in cfg.fp32_modules:
+    for glob, ok in zip(cfg.fp32_modules, matched, strict=False):
         hits = [n for n in names if fnmatch.fnmatchcase(n, glob)]
-        if not hits:
+        if not ok:
             raise ConfigError(
                 f'mixedlayers.fp32_modules: "{glob}" matches no module of {type(model).__name__}; '
                 f"close module names: {_close(glob, [n for n in names if n])}"
             )
         chosen.update(hits)
-    for type_name in cfg.fp32_module_types:
+    for type_name, ok in zip(cfg.fp32_module_types, matched[len(cfg.fp32_modules) :], strict=True):
         cls = _resolve_type(type_name)
         hits = [n for n, m in named if _type_matches(m, type_name, cls)]
-        if not hits:
+        if not ok:
             present = {
                 k.__name__: f"{k.__module__}.{k.__qualname__}"
                 for _, m in named

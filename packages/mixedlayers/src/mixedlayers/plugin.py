@@ -15,9 +15,11 @@ How each piece of DeepSpeed is kept from losing the fp32 modules:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import override
@@ -37,6 +39,7 @@ from mixedlayers.zero3 import restore_zero3
 from mixedlayers.zero12 import fp32_accumulation_by_config, install_fp32_accumulation, install_fp32_staging
 from zerohooks import ConfigError, PluginConfig, SetupContext, ZeroPlugin
 from zerohooks.adapter.dsrules import is_pipeline_model
+from zerohooks.adapter.stagenorm import install as install_stage_norm
 from zerohooks.dsconfig import read_settings, refuse_universal_load, set_grad_accum_dtype
 from zerohooks.hookspec import GatherDtypeHook, PrepareModelHook, PrepareParametersHook, ReduceDtypeHook
 from zerohooks.registry import FIRST, LAST, HookRegistry
@@ -61,7 +64,7 @@ class MixedLayersPlugin(ZeroPlugin):
     """Keep chosen modules of a 16-bit model in fp32, with casts at their boundaries."""
 
     name = "mixedlayers"
-    deepspeed_seams = ("separate_accumulation", "stage_buckets", "partition_retype")
+    deepspeed_seams = ("separate_accumulation", "stage_buckets", "partition_retype", "stage_norm")
     """The adapter seams this plugin uses (:data:`zerohooks.adapter.surface.SEAMS`)."""
     distribution = "zerohooks-mixedlayers"
     Config = MixedLayersConfig
@@ -87,14 +90,7 @@ class MixedLayersPlugin(ZeroPlugin):
             refuse_universal_load(
                 read_settings(ds_config),
                 "mixedlayers",
-                "beside autocastzero this is untested (tested: mixedlayers alone on ZeRO 1/2)",
-            )
-        elif ctx.zero_stage == 3:
-            refuse_universal_load(
-                read_settings(ds_config),
-                "mixedlayers",
-                "on ZeRO 3 the run resumed from a universal checkpoint leaves the uninterrupted run after "
-                "its first optimizer step (probed; cause not yet traced; ZeRO 1/2 resume identically)",
+                "beside autocastzero this is untested (tested: mixedlayers alone, ZeRO 1-3)",
             )
         if self.under_autocast:
             return  # autocastzero refuses DeepSpeed's bf16/fp16 sections; parameters stay fp32
@@ -140,7 +136,11 @@ class MixedLayersPlugin(ZeroPlugin):
             if stage == 1 and not fp32_accumulation_by_config(att.setup):
                 install_fp32_accumulation(att)
             install_fp32_staging(att)
-        if not state.modules:
+            if is_pipeline_model(engine.module):
+                # a stage without fp32 layers holds one param group fewer than the others
+                install_stage_norm(att)
+        if not state.modules and not any(p in _PREPARED for p in engine.module.parameters()):
+            # (a pipeline stage may hold none of the kept modules: prepared all the same)
             raise RuntimeError(
                 "mixedlayers: the model was not prepared (pass model= to zerohooks.initialize)"
             )
@@ -190,21 +190,31 @@ def _mark_prepared(model: nn.Module) -> None:
         _PREPARED[p] = True
 
 
-def _refuse_pipeline(model: nn.Module) -> None:
+def _refuse_pipeline_under_autocast(model: nn.Module) -> None:
     if is_pipeline_model(model):
         raise ConfigError(
-            "mixedlayers does not support DeepSpeed pipelines (the model is a PipelineModule): its parameters "
-            "go to one optimizer group per dtype, stages with different dtypes hold different numbers of "
-            "groups, and DeepSpeed's ZeRO optimizer all-reduces the gradient norm over the stages once per "
-            "group, so the first step hangs (probed on 2 ranks); remove the mixedlayers section to "
-            "train the pipeline, "
-            "or build the model as one module (no PipelineModule) to keep layers in fp32"
+            "mixedlayers beside autocastzero does not support DeepSpeed pipelines (the model is a "
+            "PipelineModule): untested; use mixedlayers alone on the pipeline (a bf16/fp16 model), or "
+            "autocastzero alone"
         )
+
+
+def _matched_on_any_stage(model: nn.Module) -> Callable[[list[bool]], list[bool]] | None:
+    """For a pipeline (each rank holds its stage's layers): whether each selector matched on any
+    rank (one all-gather over the world, which every rank of a pipeline takes part in)."""
+    if not is_pipeline_model(model):
+        return None
+
+    def anywhere(local: list[bool]) -> list[bool]:
+        found: list[list[bool] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(found, local)
+        return [any(f[i] for f in found if f is not None) for i in range(len(local))]
+
+    return anywhere
 
 
 def _prepare_model(cfg: MixedLayersConfig, state: MixedState) -> PrepareModelHook:
     def prepare_model(model: nn.Module, ctx: SetupContext) -> nn.Module | None:
-        _refuse_pipeline(model)
         _refuse_prepared_model(model)
         if any(hasattr(p, "ds_id") for p in model.parameters()):
             raise ConfigError(
@@ -216,7 +226,7 @@ def _prepare_model(cfg: MixedLayersConfig, state: MixedState) -> PrepareModelHoo
                 "accelerate's zero3_init_flag) exists; build the model before the TrainingArguments, or "
                 "construct it directly (e.g. GPT2LMHeadModel(config)), or set zero3_init_flag=False"
             )
-        selected = add_sharers(model, select_modules(model, cfg))
+        selected = add_sharers(model, select_modules(model, cfg, _matched_on_any_stage(model)))
         keep_fp32(state, model, selected, cfg.keep_buffers)
         state.boundaries = outermost(selected)
         install_boundary_hooks(state)
@@ -232,7 +242,7 @@ def _prepare_under_autocast(
     cfg: MixedLayersConfig, state: MixedState, contexts: list[Any]
 ) -> PrepareModelHook:
     def prepare_model(model: nn.Module, ctx: SetupContext) -> nn.Module | None:
-        _refuse_pipeline(model)
+        _refuse_pipeline_under_autocast(model)
         _refuse_prepared_model(model)
         selected = add_sharers(model, select_modules(model, cfg))
         record_kept(state, selected)

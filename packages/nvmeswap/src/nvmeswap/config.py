@@ -123,26 +123,11 @@ class NvmeSwapConfig(PluginConfig):
 
 
 def check_deepspeed_features(settings: DeepSpeedSettings) -> None:
-    """Refuse the DeepSpeed features nvmeswap has not been tested with (the compatibility matrix
-    of the top-level README), each naming its key and what to do instead."""
-    if settings.prescale_gradients:
-        raise ConfigError(
-            f"prescale_gradients is {settings.prescale_gradients!r} with nvmeswap: DeepSpeed refuses it on "
-            "ZeRO 3 with reduce_scatter and nvmeswap is untested without reduce_scatter; remove "
-            "prescale_gradients (gradients are averaged the same way without it)"
-        )
-    if settings.gradient_predivide_factor != 1.0:
-        raise ConfigError(
-            f"gradient_predivide_factor is {settings.gradient_predivide_factor!r} with nvmeswap: DeepSpeed "
-            "refuses it on ZeRO 3 with reduce_scatter and nvmeswap is untested without reduce_scatter; "
-            "remove gradient_predivide_factor (the accepted value is 1.0, the default)"
-        )
-    if settings.ulysses_size not in (None, 1):
-        raise ConfigError(
-            f"sequence_parallel_size is {settings.ulysses_size!r} with nvmeswap: untested; remove "
-            'sequence_parallel_size, or use DeepSpeed\'s own offload_optimizer "nvme"/"cpu" without the '
-            "nvmeswap section"
-        )
+    """Refuse the DeepSpeed features nvmeswap cannot serve (the compatibility matrix of the
+    top-level README), naming the key and what to do instead.  Gradient averaging
+    (``prescale_gradients``, ``gradient_predivide_factor``) and Ulysses sequence parallelism
+    only change the gradients DeepSpeed hands the optimizer; nvmeswap steps whatever it gets, and
+    the matrix checks each against DeepSpeed's own CPU optimizer offload."""
     refuse_universal_load(
         settings,
         "nvmeswap",

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from zerohooks import watchdog
-from zerohooks.adapter import ckpttag, ckptwrite, dsfiles
+from zerohooks.adapter import ckpttag, ckptwrite, dsfiles, universal
 from zerohooks.adapter.statefile import FORMAT, read_latest, read_state, state_file, write_latest, write_state
 from zerohooks.errors import CheckpointDiskFullError, CheckpointSaveError, CheckpointStateError
 
@@ -463,6 +463,8 @@ def _load_universal(att: Attachment) -> None:
 
 def _load(att: Attachment, load_dir: str, tag: str) -> None:
     if _universal(att.engine):
+        if att.setup.zero_stage == 3:
+            universal.separate_step_counters(att.engine.optimizer)
         _load_universal(att)
         return
     if not att.registry.states:

@@ -185,6 +185,8 @@ SEAMS: dict[str, tuple[Internal, ...]] = {
             "checkpoint", "deepspeed.runtime.fp16.loss_scaler", _ALL, optional="DynamicLossScaler LossScaler"
         ),
         *_entries("checkpoint", "deepspeed.utils.tensor_fragment", _ALL, optional="fragment_address"),
+        # ZeRO 3's universal load shares one step tensor between sub-groups (universal.py mends it)
+        *_entries("checkpoint", ZERO3, (3,), optional="fp32_partitioned_groups_flat optimizer"),
     ),
     # -- the gradient collective of every stage, its dtype, its owner (adapter/zero0, zero12, zero3)
     "reduction": (
@@ -211,7 +213,7 @@ SEAMS: dict[str, tuple[Internal, ...]] = {
             ZERO3,
             (3,),
             patch="reduce_ready_partitions_and_remove_grads get_param_comm_dtype __avg_scatter_grads __avg_scatter_contiguous_grads",
-            read="ipg_buckets communication_data_type contiguous_gradients fp16_groups reduce_bucket_size reduce_scatter gradient_predivide_factor dp_process_group _get_param_partition_group _gradient_averaging_world_size gradient_accumulation_dtype",
+            read="ipg_buckets communication_data_type contiguous_gradients fp16_groups reduce_bucket_size reduce_scatter gradient_predivide_factor dp_process_group _get_param_partition_group _gradient_averaging_world_size gradient_accumulation_dtype sequence_parallel_size",
         ),
         *_entries(
             "reduction", "deepspeed.runtime.comm.coalesced_collectives", (3,), read="reduce_scatter_coalesced"
@@ -305,6 +307,10 @@ SEAMS: dict[str, tuple[Internal, ...]] = {
         *_entries("gradient_partitions", ENGINE, _ALL, write="micro_steps"),
         *_entries("gradient_partitions", PARAM, (1,), read="grad_accum"),
         *_entries("gradient_partitions", PARAM, (3,), read="ds_id ds_numel partition_numel"),
+    ),
+    # adapter/stagenorm.py: ZeRO 1/2's gradient norm reduced over a pipeline's stages once a step
+    "stage_norm": (
+        *_entries("stage_norm", ZERO12, (1, 2), patch="scaled_global_norm", write="model_parallel_group"),
     ),
     # adapter/retype.py: ZeRO 3's partitions held in another dtype
     "partition_retype": (
