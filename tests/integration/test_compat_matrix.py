@@ -353,7 +353,7 @@ def _run_all(tmp: str, runs: list[tuple[str, int, str | None]], refused: list[tu
             train(engine, universal_runs.SAVED, GAS)
             uni = universal_runs.save_convert_resume(
                 engine,
-                _universal_engine(column, stage, folder),
+                _universal_engine(column, stage, f"{folder}/resumed"),  # the saving engine holds its folder
                 universal_runs.folder(tmp, column, stage),
                 GAS,
             )

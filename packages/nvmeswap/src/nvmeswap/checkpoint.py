@@ -41,7 +41,7 @@ import torch
 
 from nvmeswap import swapper
 from nvmeswap.swapper import SwapState
-from zerohooks.adapter import statestore
+from zerohooks.adapter import statestore, unistate
 
 __all__ = ["drop_pages", "mapped", "streamed_load", "streamed_refresh", "streamed_save"]
 
@@ -249,10 +249,29 @@ def streamed_load(state: SwapState, engine: Any, original: Callable[..., Any]) -
             if _inside(t, files):
                 state.pages_dropped += drop_pages(t)
 
+    def take_universal(i: int, fp32: torch.Tensor) -> bool:
+        """A universal load's sub-group ``i`` (built one sub-group at a time by
+        :mod:`zerohooks.adapter.unistate`, its moments already where a regular load puts them): a
+        swapped one is written to its swap file as a regular load writes it; the others are left
+        to DeepSpeed's tensors."""
+        if i not in state.groups:
+            return False
+        if state.keep_master:  # the master stays in RAM; only the moments go to the file
+            state.groups[i].master.data.copy_(fp32)
+            statestore.bit16_from_master(opt, i)
+        _write_back(i, None if state.keep_master else fp32, True, [])
+        return True
+
     @functools.wraps(original)
     def load(*args: Any, **kwargs: Any) -> Any:
         _settle(state, "loaded")
-        with statestore.rigid_load_replaced(opt, make_rigid_load):
-            return original(*args, **kwargs)
+        with (
+            statestore.rigid_load_replaced(opt, make_rigid_load),
+            unistate.universal_load_replaced(opt, engine, take_universal),
+        ):
+            try:
+                return original(*args, **kwargs)
+            finally:
+                swapper.flush(state)
 
     return load

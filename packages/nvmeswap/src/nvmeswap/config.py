@@ -7,7 +7,6 @@ from typing import Any, ClassVar, Literal
 import pydantic
 
 from zerohooks import ConfigError, PluginConfig
-from zerohooks.dsconfig import DeepSpeedSettings, refuse_universal_load
 from zerohooks.strict import MAX_NUMEL
 
 __all__ = [
@@ -120,19 +119,6 @@ class NvmeSwapConfig(PluginConfig):
         if isinstance(value, bool) or value == "when_supported":
             return value
         raise ValueError('use true, false or "when_supported"')
-
-
-def check_deepspeed_features(settings: DeepSpeedSettings) -> None:
-    """Refuse the DeepSpeed features nvmeswap cannot serve (the compatibility matrix of the
-    top-level README), naming the key and what to do instead.  Gradient averaging
-    (``prescale_gradients``, ``gradient_predivide_factor``) and Ulysses sequence parallelism
-    only change the gradients DeepSpeed hands the optimizer; nvmeswap steps whatever it gets, and
-    the matrix checks each against DeepSpeed's own CPU optimizer offload."""
-    refuse_universal_load(
-        settings,
-        "nvmeswap",
-        "its swap files and checkpoint state are per rank and ds_to_universal does not convert them",
-    )
 
 
 def rewrite_offload(ds_config: dict[str, Any], cfg: NvmeSwapConfig) -> str:

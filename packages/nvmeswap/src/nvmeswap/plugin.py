@@ -28,14 +28,13 @@ from typing_extensions import override
 
 import zerohooks
 from nvmeswap import adam, checkpoint, early, fused, io, memory, swapper
-from nvmeswap.config import NvmeSwapConfig, check_deepspeed_features, rewrite_offload
+from nvmeswap.config import NvmeSwapConfig, rewrite_offload
 from nvmeswap.folder import FolderClaim, prepare
 from nvmeswap.memory import NotEnoughMemoryError
 from nvmeswap.swapfile import SwapCorruptionError
 from nvmeswap.swapper import SwapState
 from zerohooks import ConfigError, PluginConfig, SetupContext, StepContext, ZeroPlugin
 from zerohooks.adapter import seams, statestore
-from zerohooks.dsconfig import read_settings
 from zerohooks.registry import HookRegistry
 
 __all__ = ["NvmeSwapPlugin"]
@@ -63,7 +62,6 @@ class NvmeSwapPlugin(ZeroPlugin):
 
     @override
     def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
-        check_deepspeed_features(read_settings(ds_config))
         self.base_folder = rewrite_offload(ds_config, self.cfg)
 
     @override

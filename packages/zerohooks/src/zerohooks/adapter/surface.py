@@ -342,6 +342,15 @@ SEAMS: dict[str, tuple[Internal, ...]] = {
             read="fp32_partitioned_groups_flat fp16_partitioned_groups_flat_numel grad_position __param_id_to_grad_partition _constant_buffered_norm2 sub_group_to_group_id get_param_id optimizer _unflatten_partitioned_parameters _global_grad_norm loss_scale",
         ),
         *_entries("optimizer_state_store", ENGINE, (3,), patch="_save_zero_checkpoint _load_zero_checkpoint"),
+        # adapter/unistate.py: a universal load, one sub-group at a time
+        *_entries(
+            "optimizer_state_store",
+            ZERO3,
+            (3,),
+            patch="load_hp_checkpoint_state_from_checkpoint_dir_stage3",
+            read="param_names _load_global_state_stage3 _get_param_partition_group fp16_groups",
+        ),
+        *_entries("optimizer_state_store", ENGINE, (3,), read="checkpoint_engine"),
         # while DeepSpeed builds the optimizer (skipped on a DeepSpeed without them)
         *_entries(
             "optimizer_state_store",

@@ -82,7 +82,7 @@ class RecordingPlugin(ZeroPlugin):
         super().__init__(config)
         self.events: list[Event] = []
         self.ctx: StepContext | None = None
-        self.param_names: dict[int, str] = {}
+        self.name_of_param: dict[int, str] = {}
         self.loaded_state: dict[str, Any] | None = None
 
     def _record(self, phase: str, ctx: StepContext | None, **data: Any) -> None:
@@ -109,7 +109,7 @@ class RecordingPlugin(ZeroPlugin):
         self._record("engine_ready", None, engine_type=type(engine).__name__)
 
     def _prepare(self, model: nn.Module, ctx: SetupContext) -> None:
-        self.param_names = {id(p): n for n, p in model.named_parameters()}
+        self.name_of_param = {id(p): n for n, p in model.named_parameters()}
         self._record(
             "prepare_model",
             None,
@@ -120,17 +120,17 @@ class RecordingPlugin(ZeroPlugin):
     def _micro(self, param: nn.Parameter, ctx: StepContext) -> None:
         grad = param.grad
         keep = grad.detach().clone() if (grad is not None and self.config.keep_grads) else None  # type: ignore[attr-defined]
-        self._record("micro_step_grad", ctx, name=self.param_names.get(id(param)), grad=keep)
+        self._record("micro_step_grad", ctx, name=self.name_of_param.get(id(param)), grad=keep)
 
     def _dtype(self, param: nn.Parameter, dtype: torch.dtype) -> torch.dtype:
-        self._record("reduce_dtype", None, name=self.param_names.get(id(param)), dtype=dtype)
+        self._record("reduce_dtype", None, name=self.name_of_param.get(id(param)), dtype=dtype)
         return dtype
 
     def _tensor(self, param: nn.Parameter, tensor: torch.Tensor | None) -> torch.Tensor | None:
         self._record(
             "reduce_tensor",
             None,
-            name=self.param_names.get(id(param)),
+            name=self.name_of_param.get(id(param)),
             numel=None if tensor is None else tensor.numel(),
         )
         return tensor
