@@ -234,6 +234,57 @@ def moe_router_scenario(stage: int) -> dict[str, Any]:
     return out
 
 
+PIPE_KEEP = {"fp32_module_types": ["torch.nn.LayerNorm"]}
+"""On the toy's 2-stage pipeline the LayerNorm is layer 2, on the first stage only: that stage
+holds two param groups, the second one."""
+
+
+def _pipeline_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.float(), target)
+
+
+def pipeline_scenario() -> dict[str, Any]:
+    """A bf16 2-stage ``PipelineModule`` on ZeRO 1: plain, with the LayerNorm kept in fp32, and
+    with a selection that matches on no stage (the error every rank must raise, not a hang).
+    Last in the launch: a pipeline engine leaves DeepSpeed's process-wide groups its own."""
+    from deepspeed.pipe import PipelineModule
+
+    import zerohooks
+    from zerohooks import ConfigError
+    from zerohooks.testing.toy import pipeline_layers
+
+    def build(sections: dict[str, Any]) -> Any:
+        torch.manual_seed(0)
+        model = PipelineModule(
+            layers=pipeline_layers(make_model(mult=4)),
+            num_stages=2,
+            loss_fn=_pipeline_loss,
+            partition_method="uniform",
+        )
+        cfg = ds_config(1, "bf16", gas=GAS, sections=sections, train_batch_size=4 * GAS)
+        engine, *_ = zerohooks.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)
+        return engine
+
+    out: dict[str, Any] = {}
+    try:
+        build({"mixedlayers": {"fp32_module_types": ["torch.nn.Conv2d"]}})
+        out["nowhere"] = None
+    except ConfigError as e:
+        out["nowhere"] = str(e)
+    for name, sections in (("bf16", {}), ("kept", {"mixedlayers": PIPE_KEEP})):
+        engine = build(sections)
+        losses = [float(engine.train_batch(iter([batch(s, m, 0) for m in range(GAS)]))) for s in range(STEPS)]
+        out[name] = {
+            "losses": losses,
+            "stage": engine.stage_id,
+            "groups": len(engine.optimizer.bit16_groups),
+            "fp32": sorted(n for n, p in engine.module.named_parameters() if p.dtype == torch.float32),
+            "stage_norm": "scaled_global_norm" in vars(engine.optimizer),
+        }
+        zerohooks.detach(engine)
+    return out
+
+
 def all_two_rank_scenarios(tmp: str) -> dict[str, Any]:
     """Every 2-rank scenario of the folder (one launch)."""
     results: dict[str, Any] = {}
@@ -244,6 +295,7 @@ def all_two_rank_scenarios(tmp: str) -> dict[str, Any]:
     results["client_optimizer"] = client_optimizer_scenario()
     results["reinit"] = {f"z{stage}": reinit_scenario(stage) for stage in (2, 3)}
     results["moe_router"] = {f"z{stage}": moe_router_scenario(stage) for stage in (1, 2)}
+    results["pipeline"] = pipeline_scenario()  # last: see its docstring
     return _portable(results)
 
 
