@@ -133,22 +133,22 @@ def select_modules(
     """
     named = list(model.named_modules())
     names = [n for n, _ in named]
-    local = [any(fnmatch.fnmatchcase(n, g) for n in names) for g in cfg.fp32_modules] + [
-        any(_type_matches(m, t, _resolve_type(t)) for _, m in named) for t in cfg.fp32_module_types
-    ]
+    glob_hits = [[n for n in names if fnmatch.fnmatchcase(n, glob)] for glob in cfg.fp32_modules]
+    type_hits = []
+    for type_name in cfg.fp32_module_types:
+        cls = _resolve_type(type_name)
+        type_hits.append([n for n, m in named if _type_matches(m, type_name, cls)])
+    local = [bool(hits) for hits in glob_hits + type_hits]
     matched = anywhere(local) if anywhere is not None else local
     chosen: set[str] = set()
-    for glob, ok in zip(cfg.fp32_modules, matched, strict=False):
-        hits = [n for n in names if fnmatch.fnmatchcase(n, glob)]
+    for glob, hits, ok in zip(cfg.fp32_modules, glob_hits, matched[: len(glob_hits)], strict=True):
         if not ok:
             raise ConfigError(
                 f'mixedlayers.fp32_modules: "{glob}" matches no module of {type(model).__name__}; '
                 f"close module names: {_close(glob, [n for n in names if n])}"
             )
         chosen.update(hits)
-    for type_name, ok in zip(cfg.fp32_module_types, matched[len(cfg.fp32_modules) :], strict=True):
-        cls = _resolve_type(type_name)
-        hits = [n for n, m in named if _type_matches(m, type_name, cls)]
+    for type_name, hits, ok in zip(cfg.fp32_module_types, type_hits, matched[len(glob_hits) :], strict=True):
         if not ok:
             present = {
                 k.__name__: f"{k.__module__}.{k.__qualname__}"

@@ -187,6 +187,16 @@ class Attachment:
                 "owns the gradient collective; remove gradient_predivide_factor (default 1.0)"
             )
 
+    def check_sequence_parallel(self, sequence_parallel_size: int) -> None:
+        """An owner of the collective does not span DeepSpeed's sequence-parallel groups: refused
+        on every ZeRO stage once the engine says it is sequence parallel (an mpu without the
+        config key reaches here)."""
+        if self.registry.reducer.owner is not None and sequence_parallel_size > 1:
+            raise ConfigError(
+                f"{self.registry.reducer.name!r} owns the gradient collective, which does not support "
+                "sequence parallelism"
+            )
+
     # -- engine-level patches (every stage) -------------------------------------------------------
     def _make_destroy(self, original: Callable[..., Any]) -> Callable[..., Any]:
         """``engine.destroy()`` detaches first: the plugins release what they hold (swap files

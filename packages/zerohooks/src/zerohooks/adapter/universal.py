@@ -40,8 +40,8 @@ def to_universal(save_dir: str, tag: str) -> str:
 
 
 def separate_step_counters(optimizer: Any) -> int:
-    """Give every ZeRO-3 sub-group's (``optimizer``: DeepSpeed's ZeRO-3 optimizer) optimizer state its own ``step`` tensor; returns how many
-    were copied.
+    """Give the optimizer state of every sub-group of ``optimizer`` (DeepSpeed's ZeRO-3
+    optimizer) its own ``step`` tensor; returns how many were copied.
 
     DeepSpeed 0.19.8's ZeRO-3 universal load (``load_hp_checkpoint_state_from_checkpoint_dir_stage3``)
     stores the one ``step`` it read from the checkpoint into the state of every sub-group.  A torch

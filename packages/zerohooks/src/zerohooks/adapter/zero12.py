@@ -11,7 +11,6 @@ import torch.distributed as dist
 from zerohooks.adapter import gather
 from zerohooks.adapter.base import Attachment, bind_by_name
 from zerohooks.adapter.compat import require_attr, require_attrs
-from zerohooks.errors import ConfigError
 
 _OPT = "DeepSpeedZeroOptimizer"
 _NEEDS = ("gradient_predivide_factor", "dp_process_group", "flatten", "gradient_average")
@@ -269,10 +268,7 @@ def install(att: Attachment) -> None:
         _fit_bucket_buffers(att, opt)
     _install_reduce_tensor(att, opt)
     owner = reg.reducer.owner is not None
-    if owner and require_attr(opt, "sequence_parallel_size", _OPT) > 1:
-        raise ConfigError(
-            f"{reg.reducer.name!r} owns the gradient collective, which does not support sequence parallelism"
-        )
+    att.check_sequence_parallel(require_attr(opt, "sequence_parallel_size", _OPT))
     slices = _SliceOwners() if owner else None
     if slices is not None:
         att.patch(opt, "allreduce_and_copy_with_multiple_ranks", slices.make, _OPT)

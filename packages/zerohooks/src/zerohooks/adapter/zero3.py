@@ -99,11 +99,7 @@ def _install_collectives(att: Attachment, opt: Any) -> None:
             "reduced gradient tensor; remove reduce_scatter (default true)"
         )
     att.check_default_averaging(float(opt.gradient_predivide_factor))
-    if owner and require_attr(opt, "sequence_parallel_size", _OPT) > 1:
-        # as on ZeRO 1/2 (zero12.install): a sequence-parallel mpu without the config key
-        raise ConfigError(
-            f"{reg.reducer.name!r} owns the gradient collective, which does not support sequence parallelism"
-        )
+    att.check_sequence_parallel(require_attr(opt, "sequence_parallel_size", _OPT))
     from deepspeed.runtime.comm import coalesced_collectives
 
     reduce_scatter_coalesced = require_attr(
