@@ -25,6 +25,15 @@ def fresh_seed() -> int:
     return int(os.environ.get("LOCO_TEST_SEED", secrets.randbelow(2**31)))
 
 
+def gathered(t: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+    """Every rank's ``t`` of ``group`` (the world when None), in the group's rank order."""
+    import torch.distributed as dist
+
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group=group))]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
 def gradient_like(n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     """Random values with magnitudes spread over many orders (never all zeros), finite in dtype."""
     x = torch.randn(n, generator=gen) * torch.exp(2.0 * torch.randn(n, generator=gen))

@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from _loco_common import DTYPES, gradient_like, group_bound, kernels
+from _loco_common import gathered as _gather
 
-from loco import LocoConfig, comm
+from loco import LocoConfig, comm, groups
 from loco.state import LocoState
 from zerohooks.testing import distributed
 
@@ -24,16 +25,10 @@ def _build() -> None:
     kernels()  # in the parent process, before the ranks start
 
 
-def _gather(t: torch.Tensor) -> list[torch.Tensor]:
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t.contiguous())
-    return out
-
-
-def _inputs(n: int, dtype: str, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _inputs(n: int, dtype: str, seed: int, group: object = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed * 7919 + dist.get_rank())
     mine = gradient_like(n, DTYPES[dtype], gen)
-    return mine, _gather(mine)
+    return mine, _gather(mine, group)
 
 
 def _check_bounds(topo: comm.Topology, seed: int) -> None:
@@ -42,7 +37,7 @@ def _check_bounds(topo: comm.Topology, seed: int) -> None:
     levels_rs = 2 if topo.two_level else 1
     for dtype in ("fp32", "bf16", "fp16"):
         for n in (G * W * 8, 100_003, 3000):
-            mine, every = _inputs(n, dtype, seed)
+            mine, every = _inputs(n, dtype, seed, topo.group)
             exact = torch.stack([t.double() for t in every]).sum(0) / W
             rounding = exact.abs() * (2**-8 if dtype == "bf16" else 2**-11 if dtype == "fp16" else 2**-23)
             # all-reduce: chunks of whole groups; one more requantization before the all-gather
@@ -53,7 +48,7 @@ def _check_bounds(topo: comm.Topology, seed: int) -> None:
             bound = (levels_rs + 1) * 1.1 * group_bound(every, G, chunk, 7).double() / W
             err = (flat.double() - exact).abs()
             assert torch.all(err <= bound + rounding + 1e-30), (topo, dtype, n, float((err - bound).max()))
-            assert torch.equal(torch.stack(_gather(flat)), flat.expand(W, -1)), "ranks disagree"
+            assert torch.equal(torch.stack(_gather(flat, topo.group)), flat.expand(W, -1)), "ranks disagree"
             # reduce-scatter: ZeRO 3 chunks
             state = LocoState(LocoConfig())
             (part,) = comm.quantized_reduce_scatter(state, topo, [mine], ["p0"], float(W))
@@ -90,7 +85,7 @@ def _check_owners(topo: comm.Topology, seed: int) -> None:
         for length, o in zip(lengths, torch.randint(0, W, (len(lengths),), generator=gen), strict=True)
     ]
     counts = [sum(k for k, o in owners if o == rank) for rank in range(W)]
-    mine, every = _inputs(n, "fp32", seed)
+    mine, every = _inputs(n, "fp32", seed, topo.group)
     state = LocoState(LocoConfig())
     flat = mine.clone()
     done = comm.quantized_reduce_to_owners(state, topo, flat, owners, "o", float(W))
@@ -132,7 +127,7 @@ def _check_telescoping(topo: comm.Topology, seed: int) -> None:
     total_true = torch.zeros(n, dtype=torch.float64)
     scale = 0.0
     for t in range(steps):
-        mine, every = _inputs(n, "fp32", seed + t)
+        mine, every = _inputs(n, "fp32", seed + t, topo.group)
         flat = mine.clone()
         comm.quantized_all_reduce(state, topo, flat, "b", 1.0)
         total_out += flat.double()
@@ -140,12 +135,12 @@ def _check_telescoping(topo: comm.Topology, seed: int) -> None:
         scale = max(scale, float(torch.stack(every).abs().sum(0).max()))
     c = math.ceil(n / (W * G)) * G
     residue = torch.zeros(W * c, dtype=torch.float64)
-    for e0 in _gather(state.buffers["b.0"].data):  # senders: full layout
+    for e0 in _gather(state.buffers["b.0"].data, topo.group):  # senders: full layout
         residue += e0.double()
-    for rank, e2 in enumerate(_gather(state.buffers["b.2"].data)):  # owners: chunk `rank`
+    for rank, e2 in enumerate(_gather(state.buffers["b.2"].data, topo.group)):  # owners: chunk `rank`
         residue[rank * c : (rank + 1) * c] += e2.double()
     if topo.two_level:  # rank (node, l) holds the node's error of chunks n' * L + l, block n'
-        for rank, e1 in enumerate(_gather(state.buffers["b.1"].data)):
+        for rank, e1 in enumerate(_gather(state.buffers["b.1"].data, topo.group)):
             for block in range(N):
                 k = block * L + rank % L
                 residue[k * c : (k + 1) * c] += e1[block * c : (block + 1) * c].double()
@@ -154,7 +149,7 @@ def _check_telescoping(topo: comm.Topology, seed: int) -> None:
 
 
 def _check_kernels_equal_reference(topo: comm.Topology, seed: int) -> None:
-    mine, _ = _inputs(50_000, "bf16", seed)
+    mine, _ = _inputs(50_000, "bf16", seed, topo.group)
     results = []
     for use in (True, False):
         cfg = LocoConfig(kernels="compiled" if use else "reference")
@@ -235,3 +230,55 @@ def test_two_level_and_flat_collectives_on_4_ranks() -> None:
         _check_telescoping(topo, seed)
         _check_kernels_equal_reference(topo, seed)
         _check_bytes(topo)
+
+
+def test_node_layout_of_groups() -> None:
+    """How a group sits on nodes of 4: even (two-level when >= 2 nodes with >= 2 ranks each),
+    uneven (None), on one node, one rank per node."""
+    assert groups.node_layout([0, 2, 4, 6], 4) == (2, 2)
+    assert groups.two_level_possible([0, 2, 4, 6], 4)
+    assert groups.node_layout([0, 1, 2, 4], 4) is None and not groups.two_level_possible([0, 1, 2, 4], 4)
+    assert groups.node_layout([0, 1, 2, 3], 4) == (1, 4) and not groups.two_level_possible([0, 1, 2, 3], 4)
+    assert groups.node_layout([0, 4, 8], 4) == (3, 1) and not groups.two_level_possible([0, 4, 8], 4)
+    assert groups.node_layout(range(12), 4) == (3, 4) and groups.two_level_possible(range(12), 4)
+    with pytest.raises(ValueError, match="node_size"):
+        groups.node_layout([0, 1], 0)
+    # the groups whose flat reduction sends more over the link than two-level would: warned of
+    from loco.plugin import _flat_costs_link
+
+    assert _flat_costs_link([0, 1, 2, 4], 4) and _flat_costs_link([0, 2, 4, 6], 4)
+    assert not _flat_costs_link([0, 1, 2, 3], 4) and not _flat_costs_link([0, 4], 4)
+
+
+@pytest.mark.multirank
+@distributed(world_size=8, timeout=600)
+def test_two_level_on_expert_groups_of_8_ranks() -> None:
+    """MoE's expert-data-parallel groups (``ep_size`` 2 on 8 ranks in nodes of 4: ranks 0 2 | 4 6
+    and 1 3 | 5 7, as DeepSpeed makes them) reduced two-level within their group, both groups at
+    once: the bounds, telescoping, kernels and bytes of the world's two-level collectives hold,
+    and the same checks pass flat on the same group.  A group with one rank per node or uneven
+    nodes gets no topology."""
+    seed = _seed()
+    me = dist.get_rank()
+    own = {}
+    for first in (0, 1):  # every rank creates both groups, as DeepSpeed does
+        ranks = tuple(range(first, 8, 2))
+        group = dist.new_group(list(ranks))
+        if me in ranks:
+            own[ranks] = group
+    everyone = groups.gather_group_ranks([*own, (me % 4, me % 4 + 4), (0, 1, 2, 4)])
+    assert everyone == [(0, 1, 2, 4), (0, 2, 4, 6), (0, 4), (1, 3, 5, 7), (1, 5), (2, 6), (3, 7)]
+    topos = groups.two_level_subgroups(everyone, 4, own)
+    mine = tuple(range(me % 2, 8, 2))
+    assert list(topos) == [mine]  # the uneven group and the one-per-node groups: none
+    topo = topos[mine]
+    assert (topo.world, topo.rank, topo.nodes, topo.node_size) == (4, mine.index(me), 2, 2)
+    node = [r for r in mine if r // 4 == me // 4]
+    assert dist.get_process_group_ranks(topo.intra) == node
+    assert dist.get_process_group_ranks(topo.inter) == [r for r in mine if r % 4 == me % 4]
+    for t in (topo, comm.flat_topology(topo.group)):
+        _check_bounds(t, seed)
+        _check_owners(t, seed)
+        _check_telescoping(t, seed)
+        _check_kernels_equal_reference(t, seed)
+        _check_bytes(t)

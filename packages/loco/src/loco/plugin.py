@@ -12,7 +12,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 import zerohooks
-from loco import comm, ops
+from loco import comm, groups, ops
 from loco.config import LocoConfig
 from loco.state import LocoState, after_step, begin_call, load_state_dict, reset_errors, state_dict
 from zerohooks import (
@@ -108,18 +108,18 @@ class LocoReducer(GradientReducer):
 
 class LocoGatherer(ParameterGatherer):
     """Owner of DeepSpeed's parameter all-gathers: two-level (:func:`loco.comm.all_gather`) on
-    a group of the whole world; a smaller data-parallel group (tensor or pipeline parallelism)
-    is gathered flat, as DeepSpeed would."""
+    a group with a two-level topology (the whole world, an MoE expert-data-parallel group spread
+    over nodes); any other group (tensor or pipeline parallelism) is gathered flat, as DeepSpeed
+    would.  ``two_level(group)`` gives the group's two-level topology or None."""
 
-    def __init__(self, state: LocoState, two_level: Callable[[], comm.Topology | None]) -> None:
+    def __init__(self, state: LocoState, two_level: Callable[[Any], comm.Topology | None]) -> None:
         self.state = state
         self.two_level = two_level
 
     @override
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Any) -> Callable[[], None]:
-        two = self.two_level()
-        whole = two is not None and dist.get_world_size(group=group) == two.world
-        topo = two if whole and two is not None else comm.flat_topology(group)
+        two = self.two_level(group)
+        topo = two if two is not None else comm.flat_topology(group)
         nbytes = input.numel() * input.element_size()
         hops, finish = comm.begin_all_gather(topo, output, input, "loco parameter all_gather")
         for hop, copies in hops.items():
@@ -135,6 +135,13 @@ def _node_size(config: LocoConfig, world: int) -> int:
         if value and value.isdigit() and int(value) > 0:
             return int(value)
     return world
+
+
+def _flat_costs_link(ranks: list[int], node: int) -> bool:
+    """Whether reducing ``ranks`` flat sends more over the link than two-level would: the group
+    spans several nodes with several of its ranks on one of them."""
+    layout = groups.node_layout(ranks, node)
+    return layout is None or (layout[0] > 1 and layout[1] > 1)
 
 
 def _two_level_wanted(config: LocoConfig, world: int, node: int) -> bool:
@@ -160,6 +167,7 @@ class LocoPlugin(ZeroPlugin):
     Config = LocoConfig
     cfg: LocoConfig
     native = (ops.EXTENSIONS["cpu"], ops.EXTENSIONS["cuda"])
+    deepspeed_seams = ("gradient_groups",)
 
     def __init__(self, config: PluginConfig | None = None) -> None:
         super().__init__(config)
@@ -170,6 +178,9 @@ class LocoPlugin(ZeroPlugin):
         self.kernels = False
         self._topologies: dict[Any, comm.Topology] = {}
         self._two_level: comm.Topology | None = None
+        self._subgroups: dict[tuple[int, ...], comm.Topology] = {}
+        """Two-level topologies of the MoE expert-data-parallel groups (sorted ranks -> topology)."""
+        self._node = 0
         self._served = False
         self.reducer = LocoReducer(self.state, self.cfg.exact_below, self._topology, self._window)
 
@@ -219,6 +230,7 @@ class LocoPlugin(ZeroPlugin):
             self.state = self.reducer.state = LocoState(self.cfg)
             self._topologies = {}
             self._two_level = None
+            self._subgroups = {}
         self._served = True
         self._fp16 = ctx.train_dtype == torch.float16
         self.state.keep_snapshots = self._fp16 and self.cfg.on_skip == "restore"
@@ -239,7 +251,7 @@ class LocoPlugin(ZeroPlugin):
             and ctx.zero_stage > 0
             and _two_level_wanted(self.cfg, world, node)
         ):
-            registry.register_gatherer(LocoGatherer(self.state, lambda: self._two_level), name=self.name)
+            registry.register_gatherer(LocoGatherer(self.state, self._two_level_of), name=self.name)
         registry.register_after_step(self._after_step, name=self.name)
         registry.register_state(self, name=self.name)
 
@@ -254,9 +266,20 @@ class LocoPlugin(ZeroPlugin):
         if not (dist.is_available() and dist.is_initialized()):
             return
         world = dist.get_world_size()
-        node = _node_size(self.cfg, world)
+        node = self._node = _node_size(self.cfg, world)
         if _two_level_wanted(self.cfg, world, node):
-            self._two_level = comm.two_level_topology(node, self.cfg.gloo_exchange == "point_to_point")
+            p2p = self.cfg.gloo_exchange == "point_to_point"
+            self._two_level = comm.two_level_topology(node, p2p)
+            # the groups smaller than the world spread evenly over nodes (MoE's expert-data-parallel
+            # groups, a data-parallel group beside pipeline parallelism) are reduced two-level too;
+            # their node and cross-node groups are created by every rank (collective)
+            own = {}
+            for g in seams.gradient_groups(engine):
+                ranks = tuple(sorted(dist.get_process_group_ranks(g)))
+                if len(ranks) < world:
+                    own[ranks] = g
+            everyone = groups.gather_group_ranks(own)
+            self._subgroups = groups.two_level_subgroups(everyone, node, own, p2p)
 
     def close(self) -> None:
         self.state.buffers.clear()
@@ -277,23 +300,40 @@ class LocoPlugin(ZeroPlugin):
                 self.state.keep_snapshots = seams.steps_may_be_skipped(self.engine)
         return zerohooks.step_context(self.engine).micro_step
 
+    def _two_level_of(self, group: Any) -> comm.Topology | None:
+        """``group``'s two-level topology: the world's, or an MoE expert-data-parallel group's
+        spread over nodes (:mod:`loco.groups`); None when it is reduced flat."""
+        two = self._two_level
+        if two is None:
+            return None
+        group = group if group is not None else dist.group.WORLD
+        if dist.get_world_size(group=group) == two.world:
+            return two
+        return self._subgroups.get(tuple(sorted(dist.get_process_group_ranks(group))))
+
     def _topology(self, group: Any) -> comm.Topology:
         group = group if group is not None else dist.group.WORLD
         topo = self._topologies.get(group)
         if topo is None:
-            topo = comm.flat_topology(group, self.cfg.gloo_exchange == "point_to_point")
-            two = self._two_level
-            if two is not None:
-                if topo.world == two.world:
-                    topo = two
-                elif "two_level" not in self.state.warned:
-                    self.state.warned.add("two_level")
-                    warnings.warn(
-                        "loco: a gradient group smaller than the world is reduced flat (one hop); "
-                        "two-level reduction covers the whole world only",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
+            topo = self._two_level_of(group) or comm.flat_topology(
+                group, self.cfg.gloo_exchange == "point_to_point"
+            )
+            ranks = dist.get_process_group_ranks(group)
+            if (
+                self._two_level is not None
+                and not topo.two_level
+                and _flat_costs_link(ranks, self._node)
+                and "two_level" not in self.state.warned
+            ):
+                self.state.warned.add("two_level")
+                warnings.warn(
+                    f"loco: the gradient group of ranks {ranks} is reduced flat (one hop over the "
+                    f"link): two-level reduction covers the world and the data-parallel and MoE "
+                    f"expert groups known when the engine was built whose ranks are spread evenly "
+                    f"over the nodes (node_size {self._node}), at least 2 on each",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             self._topologies[group] = topo
         return topo
 

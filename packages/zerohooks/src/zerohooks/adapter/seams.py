@@ -13,6 +13,8 @@ the engine's :class:`~zerohooks.adapter.base.Attachment`:
   loss scaler, DeepSpeed's or a plugin's, can skip a step);
 * forward: :func:`forward_under_autocast` (the engine's forward under autocast, entered by
   DeepSpeed's own autocast path);
+* collective groups: :func:`gradient_groups` (the data-parallel and MoE expert groups gradients
+  are reduced over, read only);
 * checkpoints: :func:`check_before_save` (refuse ``save_checkpoint`` in a state that cannot be saved);
   :func:`read_checkpoints_mapped` (DeepSpeed's files read memory-mapped, not into RAM).
 """
@@ -36,6 +38,7 @@ __all__ = [
     "accumulate_separately",
     "check_before_save",
     "forward_under_autocast",
+    "gradient_groups",
     "note_optimizer_stepped",
     "own_loss_scaling",
     "read_checkpoints_mapped",
@@ -218,6 +221,18 @@ def read_checkpoints_mapped(att: Attachment) -> None:
     the RAM loads, as long as the plugin moves them elsewhere one piece at a time (nvmeswap's
     optimizer state, 12 bytes a parameter)."""
     att.map_checkpoint_reads = True
+
+
+def gradient_groups(engine: Any) -> list[Any]:
+    """The process groups DeepSpeed reduces this rank's gradients over: its data-parallel group
+    (the world, or part of it beside pipeline or tensor parallelism) and, for a model with MoE
+    layers, its expert-data-parallel groups (the ranks holding the same experts).  Read only: for a
+    gradient collective's owner that prepares per-group state before the first step (DeepSpeed
+    keeps each rank's own groups only: gather them to know every rank's)."""
+    out = [engine.data_parallel_group]
+    if engine.has_moe_layers:
+        out += [g for g in engine.expert_data_parallel_group.values() if g not in out]
+    return out
 
 
 def note_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:

@@ -269,6 +269,15 @@ SEAMS: dict[str, tuple[Internal, ...]] = {
             read="contiguous_gradients bit16_groups reduce_bucket_size ipg_buckets get_param_comm_dtype",
         )
     ),
+    # seams.gradient_groups: the groups a gradient collective's owner reduces over (read only)
+    "gradient_groups": tuple(
+        _entries(
+            "gradient_groups",
+            ENGINE,
+            _ALL,
+            read="data_parallel_group expert_data_parallel_group has_moe_layers",
+        )
+    ),
     # seams.check_before_save
     "check_before_save": tuple(_entries("check_before_save", ENGINE, _ALL, patch="save_checkpoint")),
     # seams.forward_under_autocast
