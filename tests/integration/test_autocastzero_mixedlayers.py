@@ -10,11 +10,16 @@ to the collective per dtype, losses), and bf16 representability of the weights t
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from zerohooks.testing import run_distributed
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import universal_runs
 
 pytestmark = pytest.mark.multirank
 
@@ -96,3 +101,106 @@ def test_autocastzero_with_mixedlayers() -> None:
             assert all(math.isfinite(v) for v in mixed["losses"])
             for a, b in zip(mixed["losses"], alone["losses"], strict=True):
                 assert math.isclose(a, b, rel_tol=REL), (stage, a, b)
+
+
+def _pipeline_scenario() -> dict[str, Any]:
+    """A 2-stage DeepSpeed pipeline (ZeRO 1, one stage a rank) under autocastzero, alone and with
+    mixedlayers keeping the last Linear (pipeline layer 4, on stage 1) in fp32."""
+    import torch
+    from deepspeed.pipe import PipelineModule
+    from torch import nn
+
+    import zerohooks
+    from zerohooks.testing.toy import batch, ds_config, make_model, pipeline_layers
+
+    def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.float(), target)
+
+    out: dict[str, Any] = {}
+    for name, sections in (
+        ("alone", {"autocastzero": {"dtype": "bfloat16"}}),
+        ("mixed", {"autocastzero": {"dtype": "bfloat16"}, "mixedlayers": {"fp32_modules": ["4"]}}),
+    ):
+        model = PipelineModule(
+            layers=pipeline_layers(make_model(mult=4)), num_stages=2, loss_fn=loss, partition_method="uniform"
+        )
+        seen: dict[str, Any] = {}
+        for key, layer in model.named_children():
+            if isinstance(layer, nn.Linear):
+
+                def grab(m: nn.Module, a: Any, o: Any, key: str = key, seen: dict[str, Any] = seen) -> None:
+                    seen[key] = {"out": str(o.dtype), "autocast": torch.is_autocast_enabled("cpu")}
+
+                layer.register_forward_hook(grab)
+        cfg = ds_config(1, "fp32", gas=GAS, sections=sections)
+        engine, *_ = zerohooks.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        losses = [float(engine.train_batch(iter([batch(s, m, 0) for m in range(GAS)]))) for s in range(STEPS)]
+        att = zerohooks.attachment(engine)
+        assert att is not None
+        out[name] = {
+            "losses": losses,
+            "seen": seen,
+            "plugins": sorted(p.name for p in att.plugins),
+            "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        }
+    return out
+
+
+def test_autocastzero_with_mixedlayers_on_a_pipeline() -> None:
+    """mixedlayers' fp32 compute beside autocastzero on a 2-stage pipeline: the kept Linear (stage
+    1) runs outside autocast in fp32 where autocastzero alone runs it in bf16; the other Linear
+    (stage 0) stays under autocast; every parameter stays fp32; the losses (DeepSpeed averages
+    them over the stages' last) within :data:`REL` of autocastzero alone."""
+    found = run_distributed(_pipeline_scenario, 2, timeout=600)
+    for rank, r in enumerate(found):
+        alone, mixed = r["alone"], r["mixed"]
+        assert mixed["plugins"] == ["autocastzero", "mixedlayers"]
+        assert alone["dtypes"] == mixed["dtypes"] == ["torch.float32"]
+        if rank == 0:  # stage 0 holds the first Linear (layer 1)
+            assert alone["seen"]["1"] == mixed["seen"]["1"] == {"out": "torch.bfloat16", "autocast": True}
+        else:  # stage 1 holds the kept one (layer 4)
+            assert alone["seen"]["4"] == {"out": "torch.bfloat16", "autocast": True}
+            assert mixed["seen"]["4"] == {"out": "torch.float32", "autocast": False}
+        assert all(math.isfinite(v) for v in mixed["losses"])
+        for a, b in zip(mixed["losses"], alone["losses"], strict=True):
+            assert math.isclose(a, b, rel_tol=REL), (rank, a, b)
+        assert mixed["losses"] != alone["losses"]  # the kept layer did change the computation
+
+
+def _universal_scenario(tmp: str) -> dict[str, Any]:
+    """autocastzero with mixedlayers on ZeRO 1-3: saved on 2 ranks, converted by ds_to_universal,
+    resumed from the universal checkpoint on the same 2 ranks (:mod:`universal_runs`)."""
+    import zerohooks
+    from zerohooks.testing.toy import ds_config, make_model, train
+
+    sections = {"autocastzero": {"dtype": "bfloat16"}, "mixedlayers": {"fp32_modules": ["fc2"]}}
+    out: dict[str, Any] = {}
+    for stage in (1, 2, 3):
+
+        def make(universal: bool = False, stage: int = stage) -> tuple[Any, int]:
+            cfg = ds_config(stage, "fp32", gas=GAS, sections=sections)
+            if universal:
+                cfg["checkpoint"] = {"load_universal": True}
+            model = make_model()
+            engine, *_ = zerohooks.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+            return engine, GAS
+
+        engine, _ = make()
+        train(engine, universal_runs.SAVED, GAS)
+        out[str(stage)] = universal_runs.save_convert_resume(
+            engine, lambda make=make: make(True), universal_runs.folder(tmp, "autocast-mixed", stage), GAS
+        )
+        zerohooks.detach(engine)
+    return out
+
+
+def test_autocastzero_with_mixedlayers_loads_universal_checkpoints(tmp_path: Any) -> None:
+    """Both plugins resume from a universal checkpoint (saved and loaded on 2 ranks) with the
+    uninterrupted run's losses, identical, on ZeRO 1, 2 and 3."""
+    for r in run_distributed(_universal_scenario, 2, args=(str(tmp_path),), timeout=900):
+        for stage in ("1", "2", "3"):
+            run = r[stage]
+            assert run["losses"] == run["continued"], (stage, run)
+            assert not [w for w in run["warnings"] if "mixedlayers" in w or "autocastzero" in w], run[
+                "warnings"
+            ]

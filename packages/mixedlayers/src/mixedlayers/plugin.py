@@ -40,7 +40,7 @@ from mixedlayers.zero12 import fp32_accumulation_by_config, install_fp32_accumul
 from zerohooks import ConfigError, PluginConfig, SetupContext, ZeroPlugin
 from zerohooks.adapter.dsrules import is_pipeline_model
 from zerohooks.adapter.stagenorm import install as install_stage_norm
-from zerohooks.dsconfig import read_settings, refuse_universal_load, set_grad_accum_dtype
+from zerohooks.dsconfig import set_grad_accum_dtype
 from zerohooks.hookspec import GatherDtypeHook, PrepareModelHook, PrepareParametersHook, ReduceDtypeHook
 from zerohooks.registry import FIRST, LAST, HookRegistry
 
@@ -86,12 +86,6 @@ class MixedLayersPlugin(ZeroPlugin):
     @override
     def edit_deepspeed_config(self, ds_config: dict[str, Any]) -> None:
         ctx = self.deepspeed
-        if self.under_autocast:
-            refuse_universal_load(
-                read_settings(ds_config),
-                "mixedlayers",
-                "beside autocastzero this is untested (tested: mixedlayers alone, ZeRO 1-3)",
-            )
         if self.under_autocast:
             return  # autocastzero refuses DeepSpeed's bf16/fp16 sections; parameters stay fp32
         check_deepspeed_config(ctx)
@@ -190,15 +184,6 @@ def _mark_prepared(model: nn.Module) -> None:
         _PREPARED[p] = True
 
 
-def _refuse_pipeline_under_autocast(model: nn.Module) -> None:
-    if is_pipeline_model(model):
-        raise ConfigError(
-            "mixedlayers beside autocastzero does not support DeepSpeed pipelines (the model is a "
-            "PipelineModule): untested; use mixedlayers alone on the pipeline (a bf16/fp16 model), or "
-            "autocastzero alone"
-        )
-
-
 def _matched_on_any_stage(model: nn.Module) -> Callable[[list[bool]], list[bool]] | None:
     """For a pipeline (each rank holds its stage's layers): whether each selector matched on any
     rank (one all-gather over the world, which every rank of a pipeline takes part in)."""
@@ -242,9 +227,8 @@ def _prepare_under_autocast(
     cfg: MixedLayersConfig, state: MixedState, contexts: list[Any]
 ) -> PrepareModelHook:
     def prepare_model(model: nn.Module, ctx: SetupContext) -> nn.Module | None:
-        _refuse_pipeline_under_autocast(model)
         _refuse_prepared_model(model)
-        selected = add_sharers(model, select_modules(model, cfg))
+        selected = add_sharers(model, select_modules(model, cfg, _matched_on_any_stage(model)))
         record_kept(state, selected)
         state.boundaries = outermost(selected)
         install_autocast_off(state, contexts)
