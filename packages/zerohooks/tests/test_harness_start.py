@@ -79,3 +79,38 @@ def test_forked_ranks_find_torch_dynamo_imported(monkeypatch: pytest.MonkeyPatch
     assert run_distributed(_dynamo_loaded, 1) == [True]
     monkeypatch.setenv("ZEROHOOKS_TEST_START_METHOD", "spawn")
     assert run_distributed(_dynamo_loaded, 1) == [False]  # the probe can tell the two apart
+
+
+def _count_runs(folder: str) -> int:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    with open(os.path.join(folder, f"ran{rank}"), "a") as f:
+        f.write("x")
+    dist.barrier()
+    return rank
+
+
+@pytest.mark.multirank
+def test_a_failed_gloo_connection_starts_the_launch_again_before_anything_ran(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Rank 1 of the first launch fails to join with gloo's connection error: the launch starts
+    again, the function runs once on each rank (not on rank 0 of the failed launch), and stderr
+    says why."""
+    monkeypatch.setenv(
+        "ZEROHOOKS_TEST_RENDEZVOUS_FAULT", f"{tmp_path}:Gloo connectFullMesh failed (injected)"
+    )
+    assert run_distributed(_count_runs, 2, args=(str(tmp_path),), timeout=120) == [0, 1]
+    assert (tmp_path / "done").exists()  # the fault did fire
+    assert [(tmp_path / f"ran{r}").read_text() for r in (0, 1)] == ["x", "x"]
+    err = capfd.readouterr().err
+    assert "rank 1 of 2 could not join the process group" in err and "(2 of 3)" in err, err
+
+
+@pytest.mark.multirank
+def test_another_failure_to_join_is_not_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ZEROHOOKS_TEST_RENDEZVOUS_FAULT", f"{tmp_path}:a broken environment (injected)")
+    with pytest.raises(MultiRankError, match=r"rank 1 of 2 could not start:(.|\n)*a broken environment"):
+        run_distributed(_count_runs, 2, args=(str(tmp_path),), timeout=120)
+    assert not list(tmp_path.glob("ran*"))  # rank 0 joined but never ran the function

@@ -17,6 +17,13 @@ instead of importing them again (several seconds of CPU per rank, 30 s a launch 
 call: it receives the caller's current environment, working folder, ``sys.path``, stdout and
 stderr, and runs the interpreter's exit handlers (``atexit``) when it ends, as a spawned rank
 does.  ``spawn`` starts every rank as a new interpreter instead.
+
+A launch starts in two phases: every rank joins the process group and reports ready, and only
+then does any rank run ``fn``.  When a rank cannot join because gloo's connection to a peer
+failed (``connectFullMesh``: a connection closed or reset by the other end, which happens when
+many gloo jobs run side by side on one machine and one connects to a port another job's dead
+rank had used), the launch is abandoned before ``fn`` ran anywhere and started again, at most
+:data:`RENDEZVOUS_ATTEMPTS` times, saying so on stderr.  Any other failure fails the call at once.
 """
 
 from __future__ import annotations
@@ -47,6 +54,15 @@ __all__ = [
 
 F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_TIMEOUT = float(os.environ.get("ZEROHOOKS_TEST_TIMEOUT", "300"))
+RENDEZVOUS_ATTEMPTS = 3
+"""How many times a launch is started when a rank cannot join the process group (a gloo
+connection to a peer that failed: :data:`RENDEZVOUS_ERRORS`)."""
+RENDEZVOUS_ERRORS = ("connectFullMesh failed", "Connection closed by peer", "Connection reset by peer")
+"""The texts of the errors that start a launch again: a rank's connection to a peer failed while
+the process group was being made, before the function ran on any rank."""
+_FAULT_ENV = "ZEROHOOKS_TEST_RENDEZVOUS_FAULT"
+"""For the harness's own tests: ``<folder>:<message>``; rank 1 of the first launch that finds no
+``<folder>/done`` creates it and fails to join with ``message``."""
 START_METHODS = ("forkserver", "spawn")
 _PRELOAD = ["torch", "deepspeed", "torch._dynamo"]
 """What the fork server imports once for every rank it forks (nothing of ours: each rank
@@ -190,6 +206,21 @@ class _RankOptions:
     """torch.distributed backend: gloo (CPU) or nccl (one GPU per rank)."""
     threads: int
     """torch intra-op threads per rank."""
+    start_timeout: float
+    """How long a rank that joined waits for the others before giving up (the launch's timeout)."""
+
+
+def _injected_fault(rank: int) -> None:
+    spec = os.environ.get(_FAULT_ENV)
+    if not spec or rank != 1:
+        return
+    folder, _, message = spec.partition(":")
+    try:
+        with open(os.path.join(folder, "done"), "x"):
+            pass
+    except FileExistsError:
+        return
+    raise RuntimeError(message)
 
 
 def _worker(
@@ -201,6 +232,7 @@ def _worker(
     kwargs: dict[str, Any],
     results: Any,
     opts: _RankOptions,
+    go: Any,
     inherit: _Inherit | None = None,
 ) -> None:
     if inherit is not None:
@@ -232,9 +264,17 @@ def _worker(
         from zerohooks.adapter.compat import route_deepspeed_op_builds
 
         rank_op_builds = route_deepspeed_op_builds()
-        deepspeed.init_distributed(dist_backend=opts.backend, verbose=False)
+        try:
+            _injected_fault(rank)
+            deepspeed.init_distributed(dist_backend=opts.backend, verbose=False)
+        except BaseException:
+            results.put(("init", rank, traceback.format_exc()))
+            return
         # only this rendezvous: groups the test makes itself, and processes it starts, host their own
         os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        results.put(("ready", rank, None))
+        if not go.wait(timeout=opts.start_timeout):  # set once every rank joined
+            return
         if isinstance(target, tuple):  # (module, qualname) of a @distributed test
             mod, name = target
             fn = getattr(importlib.import_module(mod), name).__wrapped__
@@ -281,10 +321,47 @@ def run_distributed(
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f'backend must be "gloo" or "nccl", got {backend!r}')
-    opts = _RankOptions(fp16_on_cpu, backend, max(1, threads))
+    opts = _RankOptions(fp16_on_cpu, backend, max(1, threads), timeout)
+    for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
+        try:
+            return _launch(fn, world_size, args, kwargs or {}, timeout, opts)
+        except _RendezvousFailed as failed:
+            if attempt == RENDEZVOUS_ATTEMPTS:
+                raise MultiRankError(
+                    f"rank {failed.rank} of {world_size} could not join the process group in "
+                    f"{RENDEZVOUS_ATTEMPTS} launches:\n{failed.payload}"
+                ) from None
+            last = failed.payload.strip().splitlines()[-1]
+            print(
+                f"zerohooks.testing: rank {failed.rank} of {world_size} could not join the process "
+                f"group ({last}); nothing ran yet: starting the launch again "
+                f"({attempt + 1} of {RENDEZVOUS_ATTEMPTS})",
+                file=sys.stderr,
+                flush=True,
+            )
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+class _RendezvousFailed(Exception):
+    def __init__(self, rank: int, payload: str) -> None:
+        super().__init__(rank, payload)
+        self.rank, self.payload = rank, payload
+
+
+def _launch(
+    fn: Callable[..., Any] | tuple[str, str],
+    world_size: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    timeout: float,
+    opts: _RankOptions,
+) -> list[Any]:
+    """One launch: start the ranks, wait until every one joined the process group (or raise
+    :class:`_RendezvousFailed` for a failed gloo connection), let them run, collect results."""
     method = _start_method()
     ctx = _context(method)
     results = ctx.Queue()
+    go = ctx.Event()
     # The rendezvous store lives in this process on a port the OS gives it, held until the ranks
     # are gone: a port picked free and bound later by rank 0 could be taken in between by another
     # launch's process (seen once: a rank joined a store that was not its launch's).
@@ -293,7 +370,7 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, rank, world_size, port, args, kwargs or {}, results, opts)
+            args=(fn, rank, world_size, port, args, kwargs, results, opts, go)
             + ((_Inherit.capture(),) if method == "forkserver" else ()),
             name=f"zerohooks-rank{rank}",
         )
@@ -301,6 +378,7 @@ def run_distributed(
     ]
     for p in procs:
         p.start()
+    ready: set[int] = set()
     done: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
@@ -320,6 +398,15 @@ def run_distributed(
                         f"rank(s) {hung} did not finish within {timeout:.0f}s (a hung collective?); "
                         f"ranks {sorted(done)} finished"
                     ) from None
+                continue
+            if status == "init":
+                if any(text in payload for text in RENDEZVOUS_ERRORS):
+                    raise _RendezvousFailed(rank, payload)
+                raise MultiRankError(f"rank {rank} of {world_size} could not start:\n{payload}")
+            if status == "ready":
+                ready.add(rank)
+                if len(ready) == world_size:
+                    go.set()
                 continue
             if status == "err":
                 raise MultiRankError(f"rank {rank} of {world_size} failed:\n{payload}")
