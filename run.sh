@@ -106,8 +106,8 @@ examples)
 test)
     shift
     "$PYTHON" tools/test_plan.py "$@" || true # the sessions and the minutes they took here, before they start
-    # the default sessions in lanes side by side (ZEROHOOKS_TEST_LANES; default one per 2 CPUs, so one
-    # lane, plain nox, on a 2-CPU machine); named sessions: plain nox
+    # the default sessions in lanes side by side (ZEROHOOKS_TEST_LANES; default two lanes on 2-5 CPUs,
+    # one per 2 CPUs beyond, at most 3; one lane, plain nox, on 1 CPU); named sessions: plain nox
     exec "$PYTHON" tools/test_lanes.py "$@"
     ;;
 gpu-bundle)

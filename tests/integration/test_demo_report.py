@@ -270,9 +270,9 @@ def test_the_test_command_prints_its_plan_first() -> None:
     )
     assert r.returncode == 0
     ci = (ROOT / "benchmarks" / "CI_TIME.md").read_text()
-    # the last table of sessions is the one the plan reads (the slowest tests' table says "s")
-    minutes = float(re.findall(r"\| integration \| ([0-9.]+) min", ci)[-1])
-    lint_s = float(re.findall(r"\| lint \| ([0-9.]+) s", ci)[-1])
+    # the last table of sessions is the one the plan reads (a session's row starts with its name)
+    minutes = float(re.findall(r"^\| integration \| ([0-9.]+) min", ci, flags=re.M)[-1])
+    lint_s = float(re.findall(r"^\| lint \| ([0-9.]+) s", ci, flags=re.M)[-1])
     assert "2 nox session(s)" in r.stderr and f"integration          {minutes:.1f} min" in r.stderr
     # the expectation is the sum of both sessions (12.5 min + 1.3 s says "about 13", not 12)
     assert f"about {minutes + lint_s / 60:.0f} min" in r.stderr
