@@ -11,9 +11,9 @@ so sessions can run side by side.
 
 One session keeps 1.1-1.5 CPUs busy on average (ranks wait on each other, fault tests wait on
 limits), so the default is two lanes from 2 CPUs on, one lane per 2 CPUs beyond 4, at most 3
-(one lane on 1 CPU). **Two lanes on the project's 2-CPU machine** (benchmarks/CI_TIME.md): 23.0
-min against 31.4 one after another on a quiet machine, the machine busy 1.46 CPUs on average
-(2.0 while both lanes ran); on the earlier, loaded machine the gain had been 12 %.
+(one lane on 1 CPU). **Two lanes on the project's 2-CPU machine** (benchmarks/CI_TIME.md): 22.4
+min against 31.4 one after another on a quiet machine, the machine busy 1.82 CPUs on average; on
+the earlier, loaded machine the gain had been 12 %.
 
 The sessions of the default run (``nox.options.sessions`` of noxfile.py, one ``tests(<pkg>)`` per
 package) are dealt to the lanes longest first, each to the lane with the least expected time so
