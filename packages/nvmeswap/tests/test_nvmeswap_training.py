@@ -54,10 +54,14 @@ def test_no_gradient_io(two_ranks: list[dict[str, Any]], mode: str, segments: in
         assert max(numels) <= SUB_GROUP * 1.01 and len(numels) >= 2
         expected = _expected_step_bytes(numels, segments)
         assert t[f"{mode}_step_bytes"] == (expected, expected)
-        # the kernel's count: the same, give or take a few pages the process wrote elsewhere (a
-        # gradient swap would add 4 bytes per parameter, 1.2 MB here)
+        # the kernel's count: the same, give or take what else the process read or wrote in the
+        # step (a library page read back after the page cache dropped it, a bytecode file written
+        # for a module first imported then: 320 KiB once, with two test sessions side by side);
+        # a gradient swap would add 4 bytes per parameter each way (1.2 MB here), so anything
+        # under half of that is another file's
+        gradient_swap = 4 * sum(numels)
         for got in t[f"{mode}_proc_io"]:
-            assert expected <= got <= expected + 65536, (got, expected)
+            assert expected <= got < expected + gradient_swap // 2, (got, expected, gradient_swap)
         assert expected / sum(numels) < per_param * 1.01  # headers and 4 KiB alignment only
 
 
