@@ -244,10 +244,8 @@ def test_node_layout_of_groups() -> None:
     with pytest.raises(ValueError, match="node_size"):
         groups.node_layout([0, 1], 0)
     # the groups whose flat reduction sends more over the link than two-level would: warned of
-    from loco.plugin import _flat_costs_link
-
-    assert _flat_costs_link([0, 1, 2, 4], 4) and _flat_costs_link([0, 2, 4, 6], 4)
-    assert not _flat_costs_link([0, 1, 2, 3], 4) and not _flat_costs_link([0, 4], 4)
+    assert groups.flat_costs_link([0, 1, 2, 4], 4) and groups.flat_costs_link([0, 2, 4, 6], 4)
+    assert not groups.flat_costs_link([0, 1, 2, 3], 4) and not groups.flat_costs_link([0, 4], 4)
 
 
 @pytest.mark.multirank

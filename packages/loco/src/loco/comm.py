@@ -59,6 +59,7 @@ __all__ = [
     "exact_all_reduce",
     "exact_reduce_scatter",
     "flat_topology",
+    "make_two_level",
     "quantized_all_reduce",
     "quantized_reduce_scatter",
     "quantized_reduce_to_owners",
@@ -96,22 +97,42 @@ def flat_topology(group: Any, point_to_point: bool = True) -> Topology:
 def two_level_topology(node_size: int, point_to_point: bool = True) -> Topology:
     """Topology of the default group with nodes of ``node_size`` ranks.  Collective: every rank
     creates every node group and every cross-node group, in the same order."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     if node_size < 1 or world % node_size:
         raise ValueError(f"loco: node_size {node_size} does not divide the world size {world}")
-    nodes = world // node_size
-    if nodes == 1:
+    if world // node_size == 1:
         return flat_topology(dist.group.WORLD, point_to_point)
+    on_node = [list(range(n, n + node_size)) for n in range(0, world, node_size)]
+    topo = make_two_level(on_node, dist.group.WORLD, point_to_point)
+    assert topo is not None  # every rank is in the world
+    return topo
+
+
+def make_two_level(
+    on_node: Sequence[Sequence[int]], group: Any, point_to_point: bool = True
+) -> Topology | None:
+    """The two-level topology of ``group``, whose global ranks are ``on_node`` (node by node, the
+    same number on each, ascending): ``group``'s rank ``n * L + l`` is the ``l``-th of its ranks
+    on its ``n``-th node.  Collective over the default group: every rank creates the node groups
+    (node by node) and then the cross-node groups (one per place on a node), in that order, and
+    gets the topology when it is in ``group`` (None otherwise)."""
+    me = dist.get_rank()
     intra = inter = None
-    for n in range(nodes):
-        g = dist.new_group(list(range(n * node_size, (n + 1) * node_size)))
-        if n == rank // node_size:
+    for members in on_node:
+        g = dist.new_group(list(members))
+        if me in members:
             intra = g
-    for local in range(node_size):
-        g = dist.new_group(list(range(local, world, node_size)))
-        if local == rank % node_size:
+    for local in range(len(on_node[0])):
+        members = [node[local] for node in on_node]
+        g = dist.new_group(members)
+        if me in members:
             inter = g
-    return Topology(dist.group.WORLD, world, rank, nodes, node_size, intra, inter, point_to_point)
+    ranks = [r for node in on_node for r in node]
+    if me not in ranks:
+        return None
+    return Topology(
+        group, len(ranks), ranks.index(me), len(on_node), len(on_node[0]), intra, inter, point_to_point
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,24 +21,38 @@ from typing import Any
 
 import torch.distributed as dist
 
-from loco.comm import Topology
+from loco.comm import Topology, make_two_level
 
-__all__ = ["gather_group_ranks", "node_layout", "two_level_subgroups"]
+__all__ = [
+    "by_node",
+    "flat_costs_link",
+    "gather_group_ranks",
+    "node_layout",
+    "two_level_possible",
+    "two_level_subgroups",
+]
+
+
+def by_node(ranks: Sequence[int], node_size: int) -> list[list[int]]:
+    """``ranks`` (global) split by the node of ``node_size`` consecutive ranks each is on, node by
+    node, each node's ascending."""
+    if node_size < 1:
+        raise ValueError(f"node_size must be at least 1, not {node_size}")
+    nodes: dict[int, list[int]] = {}
+    for r in sorted(ranks):
+        nodes.setdefault(r // node_size, []).append(r)
+    return [nodes[n] for n in sorted(nodes)]
 
 
 def node_layout(ranks: Sequence[int], node_size: int) -> tuple[int, int] | None:
     """``(nodes, ranks per node)`` of a group of global ``ranks`` on nodes of ``node_size``
     consecutive ranks, when every node it touches holds the same number of its ranks; None when
     the nodes hold different numbers (such a group can only be reduced flat)."""
-    if node_size < 1:
-        raise ValueError(f"node_size must be at least 1, not {node_size}")
-    per_node: dict[int, int] = {}
-    for r in ranks:
-        per_node[r // node_size] = per_node.get(r // node_size, 0) + 1
-    counts = set(per_node.values())
+    nodes = by_node(ranks, node_size)
+    counts = {len(node) for node in nodes}
     if len(counts) != 1:
         return None
-    return len(per_node), counts.pop()
+    return len(nodes), counts.pop()
 
 
 def two_level_possible(ranks: Sequence[int], node_size: int) -> bool:
@@ -47,6 +61,12 @@ def two_level_possible(ranks: Sequence[int], node_size: int) -> bool:
     node, or with one rank per node, is one hop whichever way it is reduced."""
     layout = node_layout(ranks, node_size)
     return layout is not None and layout[0] > 1 and layout[1] > 1
+
+
+def flat_costs_link(ranks: Sequence[int], node_size: int) -> bool:
+    """Whether reducing ``ranks`` flat sends more over the link than two-level would: the group
+    spans several nodes with several of its ranks on one of them (evenly or not)."""
+    return node_layout(ranks, node_size) is None or two_level_possible(ranks, node_size)
 
 
 def gather_group_ranks(mine: Iterable[Sequence[int]]) -> list[tuple[int, ...]]:
@@ -79,27 +99,11 @@ def two_level_subgroups(
         ranks = tuple(sorted(ranks))
         if not two_level_possible(ranks, node_size):
             continue
-        nodes: dict[int, list[int]] = {}
-        for r in ranks:
-            nodes.setdefault(r // node_size, []).append(r)
-        on_node = [nodes[n] for n in sorted(nodes)]
-        n_nodes, per = len(on_node), len(on_node[0])
-        intra = inter = None
-        for members in on_node:
-            g = dist.new_group(members)
-            if me in members:
-                intra = g
-        for local in range(per):
-            members = [node[local] for node in on_node]
-            g = dist.new_group(members)
-            if me in members:
-                inter = g
-        if me in ranks:
+        topo = make_two_level(by_node(ranks, node_size), own.get(ranks), point_to_point)
+        if topo is not None:
             if ranks not in own:
                 raise ValueError(
                     f"loco: rank {me} is in group {list(ranks)} but holds no process group of it"
                 )
-            out[ranks] = Topology(
-                own[ranks], len(ranks), ranks.index(me), n_nodes, per, intra, inter, point_to_point
-            )
+            out[ranks] = topo
     return out

@@ -137,13 +137,6 @@ def _node_size(config: LocoConfig, world: int) -> int:
     return world
 
 
-def _flat_costs_link(ranks: list[int], node: int) -> bool:
-    """Whether reducing ``ranks`` flat sends more over the link than two-level would: the group
-    spans several nodes with several of its ranks on one of them."""
-    layout = groups.node_layout(ranks, node)
-    return layout is None or (layout[0] > 1 and layout[1] > 1)
-
-
 def _two_level_wanted(config: LocoConfig, world: int, node: int) -> bool:
     """``hierarchy`` resolved for ``world`` ranks in nodes of ``node``: ``two_level``, or
     ``detect`` with more than one whole node."""
@@ -309,6 +302,8 @@ class LocoPlugin(ZeroPlugin):
         group = group if group is not None else dist.group.WORLD
         if dist.get_world_size(group=group) == two.world:
             return two
+        if not self._subgroups:  # no smaller group is two-level: no rank lookup per all-gather
+            return None
         return self._subgroups.get(tuple(sorted(dist.get_process_group_ranks(group))))
 
     def _topology(self, group: Any) -> comm.Topology:
@@ -322,7 +317,7 @@ class LocoPlugin(ZeroPlugin):
             if (
                 self._two_level is not None
                 and not topo.two_level
-                and _flat_costs_link(ranks, self._node)
+                and groups.flat_costs_link(ranks, self._node)
                 and "two_level" not in self.state.warned
             ):
                 self.state.warned.add("two_level")
