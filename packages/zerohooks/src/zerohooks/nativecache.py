@@ -217,7 +217,8 @@ def load_library(name: str, path: Path, python_module: bool) -> Any:
 def caching_load(real_load: Callable[..., Any]) -> Callable[..., Any]:
     """``torch.utils.cpp_extension.load`` that first looks in the shared folder and keeps what
     it builds there: for DeepSpeed's own just-in-time ops, whose builder calls ``load`` itself
-    (see :func:`zerohooks.adapter.compat.route_deepspeed_op_builds`).  Calls it cannot key (no
+    (see :func:`zerohooks.adapter.compat.route_deepspeed_op_builds`); a build of many C++ sources
+    parses torch's headers once (:mod:`zerohooks.pch`).  Calls it cannot key (no
     sharing, or arguments other than the usual keywords) go straight to ``real_load``."""
 
     def load(*args: Any, **kwargs: Any) -> Any:
@@ -256,7 +257,13 @@ def caching_load(real_load: Callable[..., Any]) -> Callable[..., Any]:
             return None
 
         def build() -> Any:
-            module = real_load(*args, **kwargs)
+            from zerohooks.pch import precompiled_torch_header
+
+            # a many-source op (DeepSpeed's async_io) parses torch's headers once, not per source
+            with precompiled_torch_header(
+                [Path(s) for s in sources], with_cuda=kwargs.get("with_cuda"), folder=cache_dir()
+            ):
+                module = real_load(*args, **kwargs)
             built = getattr(module, "__file__", None)
             if built:
                 store(str(name), digest, Path(built))
