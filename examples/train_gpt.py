@@ -462,7 +462,8 @@ def train_one(
     }
     release(engine, config, rank)
     del engine, model
-    gc.collect()
+    if not ctx.get("own_process"):  # free it for the next run of this process (a rank alone exits)
+        gc.collect()
     return result
 
 
