@@ -161,6 +161,9 @@ def _slow_then_gil_holding_peer() -> dict[str, float]:
     cfg = ds_config(2, gas=1, gradient_clipping=1.0)  # ZeRO 2: reductions in backward, grad norm in step
     engine, *_ = zerohooks.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     train(engine, 1, 1)
+    # both ranks start the timed step together: unsynchronised, rank 1 could finish the step
+    # before and start its delay before rank 0's clock (seen once: 7.43 s measured for 7.5)
+    dist.barrier()
     armed.set()
     t0 = time.monotonic()
     train(engine, 1, 1, first=1)  # raises CollectiveTimeoutError if the peer is taken for stalled
@@ -176,7 +179,9 @@ def test_a_slow_or_gil_holding_peer_is_not_taken_for_stalled() -> None:
     seen0, seen1 = run_distributed(_slow_then_gil_holding_peer, 2, timeout=600)
     # the GIL was held: a beat may slip in before the call, none during it (unheld: about 5)
     assert seen1["beats_while_held"] <= 1 and seen1["held"] >= 0.5 * LIMIT, seen1
-    assert seen0["step"] >= 2.5 * LIMIT, seen0  # rank 0 waited that long inside the engine calls
+    # rank 0 waited about that long inside the engine calls (less the barrier's exit skew under
+    # load); a peer taken for stalled would have raised at one limit
+    assert seen0["step"] >= 2.5 * LIMIT - 0.5, seen0
 
 
 _NOT_GLOO = """
