@@ -23,13 +23,13 @@ import contextlib
 import os
 import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from zerohooks import _pchcc
-from zerohooks.nativecache import _compiler_version
 
 __all__ = ["MIN_SOURCES", "SWITCH", "applies", "precompiled_torch_header"]
 
@@ -43,9 +43,14 @@ sources that do not (DeepSpeed's pin_memory op: 3 sources, 2 with torch, left al
 
 
 def _is_gcc(cxx: str) -> bool:
-    # the same ``--version`` text the shared cache keys builds by (an error's name when it fails)
-    text = _compiler_version(cxx).partition(": ")[2].lower()
-    return "clang" not in text and ("gcc" in text or "free software foundation" in text)
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    text = out.stdout.lower()
+    return (
+        out.returncode == 0 and "clang" not in text and ("gcc" in text or "free software foundation" in text)
+    )
 
 
 def applies(sources: Iterable[Path], *, with_cuda: bool | None = None, cxx: str | None = None) -> str | None:
